@@ -1,0 +1,39 @@
+"""Broker backends. The relay talks to :class:`~django_outbox.backends.base.BaseBackend` only.
+
+Like Django's email backends, a backend is chosen by dotted path (``OUTBOX_BACKEND``) and
+built with :func:`get_backend`; extra keyword arguments come from ``OUTBOX_BACKEND_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils.module_loading import import_string
+
+from ..conf import outbox_settings
+from ..exceptions import ImproperlyConfiguredBackend
+from .base import BaseBackend
+
+
+def get_backend_class(path: str | None = None) -> type[BaseBackend]:
+    path = path or outbox_settings.BACKEND
+    try:
+        cls = import_string(path)
+    except ImportError as exc:
+        raise ImproperlyConfiguredBackend(
+            f"OUTBOX_BACKEND {path!r} cannot be imported ({exc}). Use one of "
+            "django_outbox.backends.pika.PikaBackend, .locmem.LocmemBackend, "
+            ".console.ConsoleBackend, or the dotted path of your own BaseBackend subclass."
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, BaseBackend)):
+        raise ImproperlyConfiguredBackend(
+            f"OUTBOX_BACKEND {path!r} is not a subclass of "
+            "django_outbox.backends.base.BaseBackend."
+        )
+    return cls
+
+
+def get_backend(path: str | None = None, **options: Any) -> BaseBackend:
+    """Build the configured backend (not yet opened)."""
+    merged = {**outbox_settings.BACKEND_OPTIONS, **options}
+    return get_backend_class(path)(**merged)

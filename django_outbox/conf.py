@@ -1,0 +1,200 @@
+"""Typed, lazy settings for django_outbox.
+
+Every setting is a flat ``OUTBOX_<NAME>`` entry in the project's settings module. Values
+are read from ``django.conf.settings`` each time they are used, never at import time, so
+``override_settings`` works in tests and nothing here needs Django to be configured at
+import. ``docs/settings.md`` documents each one; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+PREFIX = "OUTBOX_"
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One setting: its default and a one-line description.
+
+    Mutable defaults (lists, dicts) are copied on every read so that callers can never
+    change the default for everybody else.
+    """
+
+    default: T
+    doc: str
+    name: str = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    @property
+    def setting_name(self) -> str:
+        return PREFIX + self.name
+
+    @overload
+    def __get__(self, instance: None, owner: type) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type) -> T: ...
+
+    def __get__(self, instance: object | None, owner: type) -> Setting[T] | T:
+        if instance is None:
+            return self
+        from django.conf import settings as django_settings
+
+        value = getattr(django_settings, self.setting_name, _MISSING)
+        if value is _MISSING:
+            return copy.deepcopy(self.default)
+        return value  # type: ignore[no-any-return]
+
+
+_MISSING: Any = object()
+
+DEFAULT_RETRY_SCHEDULE: tuple[float, ...] = (1, 5, 30, 120, 900, 3600, 21600)
+
+
+class OutboxSettings:
+    """The settings of django_outbox, with their defaults (``OUTBOX_`` + attribute name)."""
+
+    # --- the relay and its backend -------------------------------------------------------
+    BACKEND: Setting[str] = Setting(
+        "django_outbox.backends.pika.PikaBackend",
+        "Dotted path of the broker backend class the relay publishes through.",
+    )
+    BACKEND_OPTIONS: Setting[dict[str, Any]] = Setting(
+        {}, "Extra keyword arguments passed to the backend class."
+    )
+    BROKER_URL: Setting[str] = Setting(
+        "", "AMQP URL of RabbitMQ, e.g. amqp://user:password@rabbitmq:5672/%2F."
+    )
+    EXCHANGE: Setting[str] = Setting("outbox", "Name of the exchange events are published to.")
+    EXCHANGE_TYPE: Setting[str] = Setting(
+        "topic", "Type of the exchange declared on connect (topic, direct, fanout, headers)."
+    )
+    EXCHANGE_PASSIVE: Setting[bool] = Setting(
+        False, "Only check that the exchange exists (it is managed elsewhere); never declare it."
+    )
+    ROUTING_KEYS: Setting[dict[str, str]] = Setting(
+        {}, "Map of event_type to routing key; event types not in it use the event_type."
+    )
+    ROUTING_KEY_FUNC: Setting[str] = Setting(
+        "",
+        "Dotted path of a callable(event) -> routing key; overrides ROUTING_KEYS when set.",
+    )
+    CONFIRM_TIMEOUT: Setting[float] = Setting(
+        10.0, "Seconds to wait for the broker's publisher confirms of a batch before failing it."
+    )
+    CONNECT_TIMEOUT: Setting[float] = Setting(
+        10.0,
+        "Seconds to wait for the broker connection (also the blocked-connection timeout).",
+    )
+    BATCH_SIZE: Setting[int] = Setting(100, "Events claimed and published per relay batch.")
+    POLL_INTERVAL: Setting[float] = Setting(
+        1.0, "Seconds the relay sleeps when nothing is due (a NOTIFY wakes it sooner)."
+    )
+    LEASE_SECONDS: Setting[float] = Setting(
+        60.0,
+        "How long a claimed row is held by one relay before another may take it over.",
+    )
+    RETRY_SCHEDULE: Setting[tuple[float, ...]] = Setting(
+        DEFAULT_RETRY_SCHEDULE,
+        "Seconds to wait after the 1st, 2nd, ... failed attempt; past the last step, DEAD.",
+    )
+    BROKER_BACKOFF_MAX: Setting[float] = Setting(
+        30.0, "Longest pause of the whole relay while the broker is unreachable (seconds)."
+    )
+    NOTIFY: Setting[bool] = Setting(
+        True, "On PostgreSQL, emit issues NOTIFY so an idle relay wakes at once."
+    )
+    NOTIFY_CHANNEL: Setting[str] = Setting(
+        "django_outbox", "PostgreSQL LISTEN/NOTIFY channel name."
+    )
+    HEARTBEAT_FILE: Setting[str] = Setting(
+        "", "File the relay touches every loop, for a liveness probe ('' = none)."
+    )
+    MAX_PAYLOAD_BYTES: Setting[int] = Setting(
+        256 * 1024, "Largest serialised payload emit() accepts, in bytes."
+    )
+    ORDERED: Setting[bool | list[str]] = Setting(
+        False,
+        "Ordered delivery per aggregate: True for every event, or a list of event/aggregate "
+        "types.",
+    )
+
+    # --- compensation, dead letters, purge -----------------------------------------------
+    COMPENSATE_STALE_AFTER: Setting[float] = Setting(
+        600.0, "compensate_outbox takes only PENDING rows created at least this long ago (s)."
+    )
+    COMPENSATE_MAX_BATCH: Setting[int] = Setting(
+        500, "At most this many rows per compensate_outbox run."
+    )
+    COMPENSATE_MAX_ATTEMPTS: Setting[int] = Setting(
+        10, "compensate_outbox makes a row DEAD once it has failed more than this many times."
+    )
+    COMPENSATE_RETRY_DELAY: Setting[float] = Setting(
+        60.0, "After a failed compensation attempt the row is due again in this many seconds."
+    )
+    ALERTS: Setting[list[dict[str, Any]]] = Setting(
+        [{"BACKEND": "django_outbox.alerts.LoggingChannel"}],
+        "Dead-letter alert channels: a list of {'BACKEND': dotted path, 'OPTIONS': {...}}.",
+    )
+    RETENTION_DAYS: Setting[float] = Setting(
+        7.0, "purge_outbox deletes SENT rows older than this many days (at least 3)."
+    )
+    PURGE_BATCH_SIZE: Setting[int] = Setting(1000, "Rows deleted per purge statement.")
+    PURGE_DEAD: Setting[bool] = Setting(
+        False, "Let purge_outbox delete DEAD rows past retention too (they are undelivered)."
+    )
+
+    # --- monitoring -----------------------------------------------------------------------
+    ALERT_PENDING_AGE: Setting[float] = Setting(
+        300.0, "Admin banner when the oldest PENDING event is older than this (seconds)."
+    )
+
+    # --- consumers -----------------------------------------------------------------------
+    CONSUMER_HANDLERS: Setting[list[str]] = Setting(
+        [], "Dotted paths of IdempotentHandler subclasses consume_outbox runs."
+    )
+    CONSUMER_QUEUE: Setting[str] = Setting(
+        "", "Queue consume_outbox declares and reads ('' = <service>.outbox from the app name)."
+    )
+    CONSUMER_PREFETCH: Setting[int] = Setting(50, "Unacknowledged messages a consumer holds.")
+    CONSUMER_MAX_RETRIES: Setting[int] = Setting(
+        5, "Deliveries of a failing message before it goes to the dead-letter queue."
+    )
+    CONSUMER_QUEUE_TYPE: Setting[str] = Setting(
+        "quorum", "Queue type declared by consume_outbox: 'quorum' or 'classic'."
+    )
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """All setting names, with the ``OUTBOX_`` prefix."""
+        return [v.setting_name for v in vars(cls).values() if isinstance(v, Setting)]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Setting[Any]]:
+        return {v.setting_name: v for v in vars(cls).values() if isinstance(v, Setting)}
+
+
+outbox_settings = OutboxSettings()
+
+
+def reset_caches(**kwargs: Any) -> None:
+    """Clear everything derived from settings (connected to ``setting_changed``)."""
+    for hook in _reset_hooks:
+        hook()
+
+
+_reset_hooks: list[Callable[[], None]] = []
+
+
+def on_settings_reset(func: Callable[[], None]) -> Callable[[], None]:
+    """Register a cache-clearing function run whenever an ``OUTBOX_*`` setting changes."""
+    _reset_hooks.append(func)
+    return func

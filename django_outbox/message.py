@@ -1,0 +1,109 @@
+"""The wire format of an outbox event: one place for the relay's and the consumer's side.
+
+A message carries the payload as its JSON body and everything else in AMQP properties:
+``message_id`` is the event_id, ``type`` the event_type, ``timestamp`` the occurred_at
+(whole seconds), and these headers, which the event's own headers may not use:
+
+=================  ===========================================================
+``aggregate_type``  e.g. ``orders.Order``
+``aggregate_id``    e.g. ``42``
+``occurred_at``     business time, ISO 8601 with microseconds and offset
+``attempt``         1 for the first publish of the row, 2 for its first retry, ...
+``sequence``        the outbox row id: increasing in commit order per database
+=================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.utils.dateparse import parse_datetime
+
+if TYPE_CHECKING:
+    from .models import OutboxEvent
+
+CONTENT_TYPE = "application/json"
+RESERVED_HEADERS = frozenset({"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence"})
+
+
+def encode_body(event: OutboxEvent) -> bytes:
+    return json.dumps(
+        event.payload, cls=DjangoJSONEncoder, ensure_ascii=False, separators=(",", ":")
+    ).encode()
+
+
+def encode_headers(event: OutboxEvent) -> dict[str, Any]:
+    headers: dict[str, Any] = dict(event.headers or {})
+    headers.update(
+        aggregate_type=event.aggregate_type,
+        aggregate_id=event.aggregate_id,
+        occurred_at=event.occurred_at.isoformat(),
+        attempt=event.retry_count + 1,
+        sequence=event.pk,
+    )
+    return headers
+
+
+@dataclass(frozen=True)
+class ReceivedEvent:
+    """An event as a consumer sees it, rebuilt from a delivered message."""
+
+    event_id: str
+    event_type: str
+    payload: Any
+    aggregate_type: str = ""
+    aggregate_id: str = ""
+    occurred_at: datetime | None = None
+    attempt: int = 1
+    sequence: int | None = None
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    redelivered: bool = False
+
+
+class UndecodableMessage(ValueError):
+    """A delivered message is not an outbox event (no message_id/type, or not JSON)."""
+
+
+def decode(
+    body: bytes,
+    *,
+    message_id: str | None,
+    message_type: str | None,
+    headers: Mapping[str, Any] | None,
+    redelivered: bool = False,
+) -> ReceivedEvent:
+    """Rebuild the event from a message body and its AMQP properties."""
+    if not message_id:
+        raise UndecodableMessage("the message has no message_id (the outbox event_id)")
+    if not message_type:
+        raise UndecodableMessage(f"message {message_id} has no type (the event_type)")
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise UndecodableMessage(f"message {message_id} body is not JSON: {exc}") from exc
+    headers = dict(headers or {})
+    own = {k: v for k, v in headers.items() if k not in RESERVED_HEADERS}
+    occurred_raw = headers.get("occurred_at")
+    occurred = parse_datetime(occurred_raw) if isinstance(occurred_raw, str) else None
+    sequence = headers.get("sequence")
+
+    def _text(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value or "")
+
+    return ReceivedEvent(
+        event_id=_text(message_id),
+        event_type=_text(message_type),
+        payload=payload,
+        aggregate_type=_text(headers.get("aggregate_type")),
+        aggregate_id=_text(headers.get("aggregate_id")),
+        occurred_at=occurred,
+        attempt=int(headers.get("attempt") or 1),
+        sequence=int(sequence) if sequence is not None else None,
+        headers=own,
+        redelivered=redelivered,
+    )

@@ -1,0 +1,82 @@
+"""The outbox table."""
+
+from __future__ import annotations
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+from .querysets import OutboxEventQuerySet
+
+
+class Status(models.IntegerChoices):
+    """Row states; the numbers match the SQL people type during incidents."""
+
+    PENDING = 0, _("pending")
+    SENT = 1, _("sent")
+    DEAD = 2, _("dead")
+
+
+class OutboxEvent(models.Model):
+    """One event written in the business transaction, relayed to the broker later."""
+
+    id = models.BigAutoField(primary_key=True)
+    event_id = models.CharField(
+        _("event id"),
+        max_length=64,
+        help_text=_("Globally unique; the AMQP message_id consumers de-duplicate on."),
+    )
+    aggregate_type = models.CharField(_("aggregate type"), max_length=64, blank=True)
+    aggregate_id = models.CharField(_("aggregate id"), max_length=64, blank=True)
+    event_type = models.CharField(_("event type"), max_length=128)
+    payload = models.JSONField(_("payload"), encoder=DjangoJSONEncoder)
+    headers = models.JSONField(_("headers"), encoder=DjangoJSONEncoder, default=dict, blank=True)
+    occurred_at = models.DateTimeField(_("occurred at"))
+    status = models.PositiveSmallIntegerField(
+        _("status"), choices=Status.choices, default=Status.PENDING
+    )
+    retry_count = models.PositiveIntegerField(_("retry count"), default=0)
+    next_retry_time = models.DateTimeField(
+        _("next retry time"),
+        help_text=_("When the row is next due; while a relay holds it, the end of its lease."),
+    )
+    lease_token = models.CharField(
+        _("lease token"),
+        max_length=32,
+        blank=True,
+        default="",
+        help_text=_("Identifies the relay claim holding the row; settles are fenced on it."),
+    )
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    created_at = models.DateTimeField(_("created at"))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+    sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
+
+    objects = OutboxEventQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("outbox event")
+        verbose_name_plural = _("outbox events")
+        ordering = ("-id",)
+        constraints = [
+            models.UniqueConstraint(fields=["event_id"], name="django_outbox_event_id_uniq"),
+        ]
+        indexes = [
+            # The relay's index: every scan is status = PENDING AND next_retry_time <= now.
+            models.Index(fields=["status", "next_retry_time"], name="django_outbox_due_idx"),
+            # Compensation (stale PENDING), purge (old SENT), the triage table and the
+            # oldest-pending gauge all filter on status and created_at.
+            models.Index(fields=["status", "created_at"], name="django_outbox_created_idx"),
+            # Triage by business key, and the head-of-aggregate lookup of ordered mode.
+            models.Index(
+                fields=["aggregate_type", "aggregate_id", "id"],
+                name="django_outbox_aggregate_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} {self.event_id}"
+
+    @property
+    def status_label(self) -> str:
+        return str(Status(self.status).label)

@@ -1,0 +1,327 @@
+"""Write events in the caller's transaction: ``atomic()`` and ``emit()``.
+
+Nothing here talks to a broker or registers an ``on_commit`` hook: events become rows of
+the outbox table inside the same transaction as the business write, and the relay
+(``publish_outbox``) moves committed rows to RabbitMQ. If the transaction rolls back, the
+events roll back with it; if it commits, the events are there for the relay, whatever
+happens to this process afterwards.
+
+    with outbox.atomic() as box:
+        order = Order.objects.create(...)
+        box.emit("ORDER_CREATED", aggregate=order, payload={"order_id": order.pk})
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, models, router, transaction
+from django.utils import timezone
+
+from .conf import outbox_settings
+from .db import DbNow
+from .message import RESERVED_HEADERS
+from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
+from .models import OutboxEvent, Status
+
+__all__ = ["Outbox", "atomic", "emit"]
+
+_local = threading.local()
+
+
+def _stack(using: str) -> list[Outbox]:
+    stacks: dict[str, list[Outbox]] = _local.__dict__.setdefault("stacks", {})
+    return stacks.setdefault(using, [])
+
+
+def _db_for_write(using: str | None) -> str:
+    return using or router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
+
+
+def _dumps(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidEvent(
+            f"The event {what} is not JSON-serialisable: {exc}. Pass plain JSON types "
+            "(dict, list, str, int, float, bool, None); Decimal, datetime, date, time, "
+            "timedelta and UUID are converted by DjangoJSONEncoder. Convert other objects "
+            "(e.g. a model instance) to one of these before emitting."
+        ) from exc
+
+
+def _short_str(value: Any, field: str, max_length: int, *, required: bool) -> str:
+    text = "" if value is None else str(value)
+    if required and not text.strip():
+        raise InvalidEvent(f"{field} must be a non-empty string, got {value!r}.")
+    if len(text) > max_length:
+        raise InvalidEvent(
+            f"{field} is {len(text)} characters long; the outbox column holds at most "
+            f"{max_length}: {text[:80]!r}..."
+        )
+    return text
+
+
+def _aggregate(
+    aggregate: models.Model | None, aggregate_type: str | None, aggregate_id: Any
+) -> tuple[str, str]:
+    if aggregate is not None:
+        if not isinstance(aggregate, models.Model):
+            raise InvalidEvent(
+                f"aggregate must be a model instance, got {type(aggregate).__name__}; pass "
+                "aggregate_type= and aggregate_id= for anything else."
+            )
+        if aggregate.pk is None:
+            raise InvalidEvent(
+                f"The aggregate {aggregate._meta.label} has no primary key yet: save it "
+                "before emitting its event."
+            )
+        if aggregate_type is None:
+            aggregate_type = aggregate._meta.label
+        if aggregate_id is None:
+            aggregate_id = aggregate.pk
+    return (
+        _short_str(aggregate_type, "aggregate_type", 64, required=False),
+        _short_str(aggregate_id, "aggregate_id", 64, required=False),
+    )
+
+
+def build_event(
+    event_type: str,
+    *,
+    payload: Any,
+    aggregate: models.Model | None = None,
+    aggregate_type: str | None = None,
+    aggregate_id: Any = None,
+    event_id: str | uuid.UUID | None = None,
+    headers: Mapping[str, Any] | None = None,
+    occurred_at: datetime | None = None,
+) -> OutboxEvent:
+    """Validate and serialise one event into an unsaved row; raise InvalidEvent if bad."""
+    if not isinstance(event_type, str):
+        raise InvalidEvent(f"event_type must be a string, got {type(event_type).__name__}.")
+    event_type = _short_str(event_type, "event_type", 128, required=True)
+    agg_type, agg_id = _aggregate(aggregate, aggregate_type, aggregate_id)
+
+    body = _dumps(payload, "payload")
+    size = len(body.encode())
+    limit = outbox_settings.MAX_PAYLOAD_BYTES
+    if size > limit:
+        raise PayloadTooLarge(
+            f"The {event_type} payload is {size} bytes serialised, over the limit of {limit} "
+            "(OUTBOX_MAX_PAYLOAD_BYTES). Put large data in storage and send a reference, or "
+            "raise the setting if your broker and consumers accept bigger messages."
+        )
+    if headers is None:
+        header_values: dict[str, Any] = {}
+    elif isinstance(headers, Mapping):
+        if not all(isinstance(k, str) for k in headers):
+            raise InvalidEvent("headers must be a mapping with string keys.")
+        clash = sorted(RESERVED_HEADERS.intersection(headers))
+        if clash:
+            raise InvalidEvent(
+                f"headers may not use the names {clash}: the relay sets them from the event "
+                "itself. Rename your headers (e.g. prefix them with your service name)."
+            )
+        header_values = json.loads(_dumps(dict(headers), "headers"))
+    else:
+        raise InvalidEvent(f"headers must be a mapping, got {type(headers).__name__}.")
+
+    if event_id is None:
+        event_id = str(uuid.uuid4())
+    event_id = _short_str(event_id, "event_id", 64, required=True)
+
+    if occurred_at is None:
+        occurred_at = timezone.now()
+    elif not isinstance(occurred_at, datetime):
+        raise InvalidEvent(f"occurred_at must be a datetime, got {type(occurred_at).__name__}.")
+
+    return OutboxEvent(
+        event_id=event_id,
+        aggregate_type=agg_type,
+        aggregate_id=agg_id,
+        event_type=event_type,
+        # Stored as the JSON it will be sent as, so Decimal/datetime/UUID are already
+        # strings and the row never holds something the relay cannot serialise.
+        payload=json.loads(body),
+        headers=header_values,
+        occurred_at=occurred_at,
+        status=Status.PENDING,
+        retry_count=0,
+        # The database clock decides what is due: a fresh event is due at once.
+        next_retry_time=DbNow(),
+        created_at=DbNow(),
+    )
+
+
+def _require_transaction(using: str) -> None:
+    if not connections[using].in_atomic_block:
+        raise NotInTransaction(
+            "emit() was called outside a transaction (the connection is in autocommit "
+            f"mode on database {using!r}), so the event would not commit together with the "
+            "business write. Wrap both in one block: `with outbox.atomic() as box: ...; "
+            "box.emit(...)`, or call emit() inside `transaction.atomic()`."
+        )
+
+
+def _check_unique(events: list[OutboxEvent]) -> None:
+    seen: set[str] = set()
+    for event in events:
+        if event.event_id in seen:
+            raise DuplicateEventId(
+                f"event_id {event.event_id!r} was emitted twice in the same block; each "
+                "event needs its own id (leave event_id unset to get a fresh UUID)."
+            )
+        seen.add(event.event_id)
+
+
+def _insert(events: list[OutboxEvent], using: str) -> None:
+    """One INSERT for all events, plus a NOTIFY on PostgreSQL, in the current transaction."""
+    _check_unique(events)
+    connection = connections[using]
+    try:
+        # A savepoint is not used on purpose: a failed insert must poison the caller's
+        # transaction so the business write cannot commit without its events.
+        OutboxEvent.objects.using(using).bulk_create(events)
+    except IntegrityError as exc:
+        if "event_id" in str(exc) or "django_outbox_event_id_uniq" in str(exc):
+            ids = ", ".join(repr(e.event_id) for e in events)
+            raise DuplicateEventId(
+                f"An outbox event with one of these event_ids exists already: {ids}. "
+                "event_id must be globally unique; leave it unset to get a fresh UUID, or "
+                "derive it from something unique to this change. The transaction is rolled "
+                "back so the business write is not kept without its event."
+            ) from exc
+        raise
+    if connection.vendor == "postgresql" and outbox_settings.NOTIFY:
+        with connection.cursor() as cursor:
+            # Delivered at commit (and dropped on rollback) by PostgreSQL itself.
+            cursor.execute("SELECT pg_notify(%s, '')", [outbox_settings.NOTIFY_CHANNEL])
+
+
+class Outbox:
+    """The events of one ``atomic()`` block, inserted with one INSERT when it exits."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+        self.events: list[OutboxEvent] = []
+        self._atomic: transaction.Atomic | None = None
+
+    def emit(
+        self,
+        event_type: str,
+        *,
+        payload: Any,
+        aggregate: models.Model | None = None,
+        aggregate_type: str | None = None,
+        aggregate_id: Any = None,
+        event_id: str | uuid.UUID | None = None,
+        headers: Mapping[str, Any] | None = None,
+        occurred_at: datetime | None = None,
+    ) -> OutboxEvent:
+        """Add an event to this block; it is written when the block exits without error."""
+        if self._atomic is None:
+            raise NotInTransaction(
+                "box.emit() was called after its `with outbox.atomic() as box:` block "
+                "ended; emit inside the block so the event commits with the business write."
+            )
+        event = build_event(
+            event_type,
+            payload=payload,
+            aggregate=aggregate,
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            event_id=event_id,
+            headers=headers,
+            occurred_at=occurred_at,
+        )
+        self.events.append(event)
+        return event
+
+    def flush(self) -> None:
+        """Insert the events collected so far now (normally done at block exit)."""
+        if self.events:
+            events, self.events = self.events, []
+            _insert(events, self.using)
+
+    def _is_innermost(self) -> bool:
+        blocks = connections[self.using].atomic_blocks
+        return bool(blocks) and blocks[-1] is self._atomic
+
+
+@contextmanager
+def atomic(
+    using: str | None = None, *, savepoint: bool = True, durable: bool = False
+) -> Iterator[Outbox]:
+    """A ``transaction.atomic`` block that collects events and writes them at its end.
+
+    Nested in another atomic block it is a savepoint, exactly like ``transaction.atomic``:
+    if it is rolled back, its events go with it. The events are inserted just before the
+    block exits, inside it, with one INSERT however many were emitted.
+    """
+    alias = _db_for_write(using)
+    box = Outbox(alias)
+    block = transaction.atomic(using=alias, savepoint=savepoint, durable=durable)
+    stack = _stack(alias)
+    with block:
+        box._atomic = block
+        stack.append(box)
+        try:
+            yield box
+            box.flush()
+        finally:
+            stack.pop()
+            box._atomic = None
+
+
+def emit(
+    event_type: str,
+    *,
+    payload: Any,
+    aggregate: models.Model | None = None,
+    aggregate_type: str | None = None,
+    aggregate_id: Any = None,
+    event_id: str | uuid.UUID | None = None,
+    headers: Mapping[str, Any] | None = None,
+    occurred_at: datetime | None = None,
+    using: str | None = None,
+) -> OutboxEvent:
+    """Write an event in the current transaction (any atomic block).
+
+    Directly inside an ``outbox.atomic()`` block the event joins that block's single
+    INSERT; inside a plain ``transaction.atomic()`` it is inserted at once, so a savepoint
+    that rolls back takes it along. Outside any transaction it raises NotInTransaction.
+    """
+    alias = _db_for_write(using)
+    _require_transaction(alias)
+    stack = _stack(alias)
+    if stack and stack[-1]._is_innermost():
+        return stack[-1].emit(
+            event_type,
+            payload=payload,
+            aggregate=aggregate,
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            event_id=event_id,
+            headers=headers,
+            occurred_at=occurred_at,
+        )
+    event = build_event(
+        event_type,
+        payload=payload,
+        aggregate=aggregate,
+        aggregate_type=aggregate_type,
+        aggregate_id=aggregate_id,
+        event_id=event_id,
+        headers=headers,
+        occurred_at=occurred_at,
+    )
+    _insert([event], alias)
+    return event

@@ -1,0 +1,110 @@
+"""Settings of the demo project: an orders service and a points service in one project.
+
+Everything comes from the environment (django-environ), with embedded defaults that need
+no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
+
+- ``DATABASE_URL``: e.g. ``postgres://127.0.0.1/test`` or ``mysql://root@127.0.0.1/test``
+- ``AMQP_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F``; when set, the relay uses the
+  pika backend (RabbitMQ), otherwise the in-memory (locmem) one.
+- ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env(
+    DEBUG=(bool, True),
+    SECRET_KEY=(str, "demo-only-not-secret-" + "x" * 40),
+    ALLOWED_HOSTS=(list, ["localhost", "127.0.0.1", "[::1]", "testserver"]),
+    AMQP_URL=(str, ""),
+    OUTBOX_ORDERED=(bool, False),
+    OUTBOX_BACKEND=(str, ""),
+)
+
+DEBUG = env("DEBUG")
+SECRET_KEY = env("SECRET_KEY")
+ALLOWED_HOSTS = env("ALLOWED_HOSTS")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_prometheus",
+    "django_outbox",
+    "orders",
+    "points",
+]
+
+MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "config.wsgi.application"
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        charset="utf8mb4", isolation_level="read committed"
+    )
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+LANGUAGE_CODE = "en-us"
+USE_I18N = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "static"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"django_outbox": {"handlers": ["console"], "level": "INFO", "propagate": False}},
+}
+
+# --- django_outbox -------------------------------------------------------------------------
+AMQP_URL = env("AMQP_URL")
+OUTBOX_BROKER_URL = AMQP_URL
+OUTBOX_BACKEND = env("OUTBOX_BACKEND") or (
+    "django_outbox.backends.pika.PikaBackend"
+    if AMQP_URL
+    else "django_outbox.backends.locmem.LocmemBackend"
+)
+OUTBOX_ORDERED = env("OUTBOX_ORDERED")
+OUTBOX_CONSUMER_QUEUE = "points.outbox"
+
+# The demo runs on one SQLite file by default: say so once, not on every command.
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    SILENCED_SYSTEM_CHECKS = ["django_outbox.W004"]

@@ -1,0 +1,1 @@
+"""The points service (consumer side); its ledger and handler land with the consumer."""

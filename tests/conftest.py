@@ -1,0 +1,61 @@
+"""Shared fixtures. Services are real; in CI a missing one fails the test, elsewhere it skips."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pytest
+
+from django_outbox.backends import locmem
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+
+START_HINTS = {
+    "rabbitmq": "start it with `rabbitmq-server -detached` (or set AMQP_URL)",
+    "postgresql": "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`",
+    "mariadb": "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`",
+}
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def require_service(name: str, url: str, default_port: int) -> None:
+    """Fail in CI, skip elsewhere (saying how to start it) when a service is down."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or default_port
+    if _reachable(host, port):
+        return
+    message = f"{name} is not reachable at {host}:{port}; {START_HINTS.get(name, '')}"
+    if IN_CI:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def amqp_url() -> str:
+    require_service("rabbitmq", AMQP_URL, 5672)
+    return AMQP_URL
+
+
+@pytest.fixture(autouse=True)
+def _reset_locmem() -> Iterator[None]:
+    locmem.reset()
+    yield
+    locmem.reset()
+
+
+@pytest.fixture
+def db_vendor() -> str:
+    from django.db import connection
+
+    return connection.vendor
