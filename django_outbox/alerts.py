@@ -84,7 +84,9 @@ def notify_dead(events: Sequence[Any]) -> None:
     try:
         channels = get_channels()
     except Exception:
-        logger.exception("OUTBOX_ALERTS is misconfigured; dead letters: %s", [d.event_id for d in dead])
+        logger.exception(
+            "OUTBOX_ALERTS is misconfigured; dead letters: %s", [d.event_id for d in dead]
+        )
         return
     for channel in channels:
         try:

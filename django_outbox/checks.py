@@ -106,19 +106,36 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         or not schedule
         or not all(_positive(v) for v in schedule)
     ):
-        errors.append(Error(Messages.RETRY_SCHEDULE, hint=Hints.RETRY_SCHEDULE, id=Codes.RETRY_SCHEDULE))
+        errors.append(
+            Error(Messages.RETRY_SCHEDULE, hint=Hints.RETRY_SCHEDULE, id=Codes.RETRY_SCHEDULE)
+        )
 
     numbers: list[tuple[str, Any, str, bool]] = [
         ("OUTBOX_BATCH_SIZE", outbox_settings.BATCH_SIZE, "a positive integer", True),
-        ("OUTBOX_COMPENSATE_MAX_BATCH", outbox_settings.COMPENSATE_MAX_BATCH, "a positive integer", True),
+        (
+            "OUTBOX_COMPENSATE_MAX_BATCH",
+            outbox_settings.COMPENSATE_MAX_BATCH,
+            "a positive integer",
+            True,
+        ),
         ("OUTBOX_PURGE_BATCH_SIZE", outbox_settings.PURGE_BATCH_SIZE, "a positive integer", True),
         ("OUTBOX_MAX_PAYLOAD_BYTES", outbox_settings.MAX_PAYLOAD_BYTES, "a positive integer", True),
         ("OUTBOX_CONSUMER_PREFETCH", outbox_settings.CONSUMER_PREFETCH, "a positive integer", True),
         ("OUTBOX_POLL_INTERVAL", outbox_settings.POLL_INTERVAL, "a positive number", False),
         ("OUTBOX_LEASE_SECONDS", outbox_settings.LEASE_SECONDS, "a positive number", False),
         ("OUTBOX_CONFIRM_TIMEOUT", outbox_settings.CONFIRM_TIMEOUT, "a positive number", False),
-        ("OUTBOX_COMPENSATE_STALE_AFTER", outbox_settings.COMPENSATE_STALE_AFTER, "a positive number", False),
-        ("OUTBOX_COMPENSATE_RETRY_DELAY", outbox_settings.COMPENSATE_RETRY_DELAY, "a positive number", False),
+        (
+            "OUTBOX_COMPENSATE_STALE_AFTER",
+            outbox_settings.COMPENSATE_STALE_AFTER,
+            "a positive number",
+            False,
+        ),
+        (
+            "OUTBOX_COMPENSATE_RETRY_DELAY",
+            outbox_settings.COMPENSATE_RETRY_DELAY,
+            "a positive number",
+            False,
+        ),
         ("OUTBOX_RETENTION_DAYS", outbox_settings.RETENTION_DAYS, "a positive number", False),
     ]
     for name, value, rule, integer in numbers:
@@ -133,11 +150,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     lease, timeout = outbox_settings.LEASE_SECONDS, outbox_settings.CONFIRM_TIMEOUT
     if _positive(lease) and _positive(timeout) and lease <= timeout:
         errors.append(
-            Error(Messages.LEASE.format(lease=lease, timeout=timeout), hint=Hints.LEASE, id=Codes.LEASE)
+            Error(
+                Messages.LEASE.format(lease=lease, timeout=timeout),
+                hint=Hints.LEASE,
+                id=Codes.LEASE,
+            )
         )
     days = outbox_settings.RETENTION_DAYS
     if _positive(days) and days < 3:
-        errors.append(Warning(Messages.RETENTION.format(days=days), hint=Hints.RETENTION, id=Codes.RETENTION))
+        errors.append(
+            Warning(Messages.RETENTION.format(days=days), hint=Hints.RETENTION, id=Codes.RETENTION)
+        )
 
     ordered = outbox_settings.ORDERED
     if not isinstance(ordered, bool) and not (
@@ -155,7 +178,13 @@ def _check_alerts() -> list[CheckMessage]:
 
     channels = outbox_settings.ALERTS
     if not isinstance(channels, (list, tuple)):
-        return [Error(Messages.ALERTS.format(index="-", problem="not a list"), hint=Hints.ALERTS, id=Codes.ALERTS)]
+        return [
+            Error(
+                Messages.ALERTS.format(index="-", problem="not a list"),
+                hint=Hints.ALERTS,
+                id=Codes.ALERTS,
+            )
+        ]
     errors: list[CheckMessage] = []
     for index, entry in enumerate(channels):
         problem = ""
@@ -170,7 +199,11 @@ def _check_alerts() -> list[CheckMessage]:
                 problem = f"{entry['BACKEND']!r} cannot be imported ({exc})"
         if problem:
             errors.append(
-                Error(Messages.ALERTS.format(index=index, problem=problem), hint=Hints.ALERTS, id=Codes.ALERTS)
+                Error(
+                    Messages.ALERTS.format(index=index, problem=problem),
+                    hint=Hints.ALERTS,
+                    id=Codes.ALERTS,
+                )
             )
     return errors
 
@@ -186,12 +219,18 @@ def _check_unknown_settings() -> list[CheckMessage]:
                 if close
                 else Hints.UNKNOWN_SETTING_NONE
             )
-            errors.append(Warning(Messages.UNKNOWN_SETTING.format(name=name), hint=hint, id=Codes.UNKNOWN_SETTING))
+            errors.append(
+                Warning(
+                    Messages.UNKNOWN_SETTING.format(name=name), hint=hint, id=Codes.UNKNOWN_SETTING
+                )
+            )
     return errors
 
 
 @register()
-def check_sqlite(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[CheckMessage]:
+def check_sqlite(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
     return [
         Warning(Messages.SQLITE.format(alias=alias), hint=Hints.SQLITE, id=Codes.SQLITE)
         for alias in _outbox_aliases(None)

@@ -123,8 +123,7 @@ class OutboxSettings:
     )
     ORDERED: Setting[bool | list[str]] = Setting(
         False,
-        "Ordered delivery per aggregate: True for every event, or a list of event/aggregate "
-        "types.",
+        "Ordered delivery per aggregate: True for every event, or a list of event/aggregate types.",
     )
 
     # --- compensation, dead letters, purge -----------------------------------------------

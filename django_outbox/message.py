@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from .models import OutboxEvent
 
 CONTENT_TYPE = "application/json"
-RESERVED_HEADERS = frozenset({"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence"})
+RESERVED_HEADERS = frozenset(
+    {"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence"}
+)
 
 
 def encode_body(event: OutboxEvent) -> bytes:

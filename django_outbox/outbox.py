@@ -27,8 +27,8 @@ from django.utils import timezone
 
 from .conf import outbox_settings
 from .db import DbNow
-from .message import RESERVED_HEADERS
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
+from .message import RESERVED_HEADERS
 from .models import OutboxEvent, Status
 
 __all__ = ["Outbox", "atomic", "emit"]

@@ -64,9 +64,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         """
         token = token or uuid.uuid4().hex
         with transaction.atomic(using=self.db):
-            rows = list(
-                self.select_for_update(skip_locked=True).order_by("id")[:limit]
-            )
+            rows = list(self.select_for_update(skip_locked=True).order_by("id")[:limit])
             if rows:
                 self.model._default_manager.using(self.db).filter(
                     pk__in=[row.pk for row in rows]

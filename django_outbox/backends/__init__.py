@@ -27,8 +27,7 @@ def get_backend_class(path: str | None = None) -> type[BaseBackend]:
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, BaseBackend)):
         raise ImproperlyConfiguredBackend(
-            f"OUTBOX_BACKEND {path!r} is not a subclass of "
-            "django_outbox.backends.base.BaseBackend."
+            f"OUTBOX_BACKEND {path!r} is not a subclass of django_outbox.backends.base.BaseBackend."
         )
     return cls
 

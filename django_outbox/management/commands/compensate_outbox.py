@@ -1,0 +1,91 @@
+"""manage.py compensate_outbox: one pass over stale PENDING rows, then exit (a CronJob).
+
+Exit codes: 0 nothing failed; 1 some events failed or went DEAD; 2 misconfigured, or the
+database or broker unreachable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+
+from ...backends import get_backend
+from ...conf import outbox_settings
+from ...exceptions import OutboxError
+from ...relay import BrokerOutage, Relay
+from ...retry import FixedRetryPolicy
+from ..options import duration, positive_int
+from .publish_outbox import configure_logging
+
+
+def stale_source(stale_after: float) -> Any:
+    def source(queryset: Any) -> Any:
+        # due() leaves out rows a live relay holds: their lease keeps them in the future.
+        return queryset.due().stale(stale_after)
+
+    return source
+
+
+class Command(BaseCommand):
+    help = (
+        "Deliver PENDING outbox events the relay left behind (older than --stale-after), "
+        "at most --max-batch, then exit. Meant for a Kubernetes CronJob every 5 minutes."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--stale-after",
+            type=duration,
+            default=None,
+            help="Only rows created at least this long ago, e.g. 10m (default "
+            "OUTBOX_COMPENSATE_STALE_AFTER, 600 s).",
+        )
+        parser.add_argument(
+            "--max-batch",
+            type=positive_int,
+            default=None,
+            help="At most this many rows per run (default OUTBOX_COMPENSATE_MAX_BATCH, 500).",
+        )
+
+    def handle(
+        self,
+        *,
+        stale_after: float | None,
+        max_batch: int | None,
+        verbosity: int,
+        **options: Any,
+    ) -> None:
+        configure_logging(verbosity)
+        stale_after = stale_after or outbox_settings.COMPENSATE_STALE_AFTER
+        max_batch = max_batch or outbox_settings.COMPENSATE_MAX_BATCH
+        try:
+            relay = Relay(
+                backend=get_backend(),
+                batch_size=max_batch,
+                policy=FixedRetryPolicy.compensation(),
+                source=stale_source(stale_after),
+                job="compensate",
+            )
+        except (OutboxError, TypeError) as exc:
+            raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
+        try:
+            result = relay.drain(max_events=max_batch)
+        except BrokerOutage as exc:
+            raise CommandError(
+                f"compensate_outbox: the broker is unreachable ({exc}); the rows stay PENDING "
+                "for the next run.",
+                returncode=2,
+            ) from exc
+        except DatabaseError as exc:
+            raise CommandError(
+                f"compensate_outbox: the database is unreachable ({exc}).", returncode=2
+            ) from exc
+        finally:
+            relay.close()
+        self.stdout.write(f"compensate_outbox: {result.summary()}")
+        if result.failed or result.dead:
+            raise CommandError(
+                f"{result.failed} events failed ({result.dead} went DEAD)", returncode=1
+            )

@@ -1,0 +1,101 @@
+"""manage.py publish_outbox: the long-running relay (several replicas are safe)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ...backends import get_backend
+from ...conf import outbox_settings
+from ...exceptions import OutboxError
+from ...relay import BrokerOutage, Relay, relay_signals
+from ..options import duration, port, positive_int
+
+VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
+
+
+def configure_logging(verbosity: int) -> None:
+    logging.getLogger("django_outbox").setLevel(VERBOSITY_LEVELS.get(verbosity, logging.INFO))
+
+
+class Command(BaseCommand):
+    help = (
+        "Relay committed outbox events to the broker, marking them SENT only after the "
+        "broker confirmed them. Runs until SIGTERM/SIGINT; --once drains what is due and exits."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--once", action="store_true", help="Drain what is due now, then exit.")
+        parser.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=None,
+            help=f"Events per batch (default OUTBOX_BATCH_SIZE, {outbox_settings.BATCH_SIZE}).",
+        )
+        parser.add_argument(
+            "--interval",
+            type=duration,
+            default=None,
+            help="Sleep when nothing is due, e.g. 1s or 500ms (default OUTBOX_POLL_INTERVAL).",
+        )
+        parser.add_argument(
+            "--max-events",
+            type=positive_int,
+            default=None,
+            help="Exit after handling this many events (tests, one-off catch-up).",
+        )
+        parser.add_argument(
+            "--heartbeat-file",
+            default=None,
+            help="Touch this file every loop, for a liveness probe (OUTBOX_HEARTBEAT_FILE).",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=port,
+            default=None,
+            help="Serve Prometheus metrics on this port (0 or unset: do not serve).",
+        )
+
+    def handle(
+        self,
+        *,
+        once: bool,
+        batch_size: int | None,
+        interval: float | None,
+        max_events: int | None,
+        heartbeat_file: str | None,
+        metrics_port: int | None,
+        verbosity: int,
+        **options: Any,
+    ) -> None:
+        configure_logging(verbosity)
+        try:
+            relay = Relay(
+                backend=get_backend(), batch_size=batch_size, heartbeat_file=heartbeat_file
+            )
+        except (OutboxError, TypeError) as exc:
+            raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
+        if metrics_port:
+            from ...metrics import start_metrics_server
+
+            start_metrics_server(metrics_port)
+
+        if once:
+            try:
+                result = relay.drain(max_events=max_events)
+            except BrokerOutage as exc:
+                raise CommandError(f"The broker is unreachable: {exc}", returncode=2) from exc
+            finally:
+                relay.close()
+            self.stdout.write(f"publish_outbox: {result.summary()}")
+            if result.failed:
+                raise CommandError(f"{result.failed} events failed", returncode=1)
+            return
+
+        stop = threading.Event()
+        with relay_signals(stop, lambda msg: self.stderr.write(msg)):
+            result = relay.run(stop=stop, interval=interval, max_events=max_events)
+        self.stdout.write(f"publish_outbox stopped: {result.summary()}")

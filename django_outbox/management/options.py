@@ -1,0 +1,49 @@
+"""argparse ``type=`` functions shared by the commands: bad values fail before any work."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be 1 or more")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be 0 or more")
+    return number
+
+
+def duration(value: str) -> float:
+    """Seconds from ``90``, ``1.5s``, ``10m``, ``2h``, ``7d`` or ``250ms``; must be > 0."""
+    match = _DURATION.match(value)
+    if not match:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a duration; use seconds or a unit: 250ms, 30s, 10m, 2h, 7d"
+        )
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be longer than zero")
+    return seconds
+
+
+def port(value: str) -> int:
+    number = non_negative_int(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (0-65535)")
+    return number

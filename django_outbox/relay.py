@@ -1,0 +1,496 @@
+"""The relay: claim -> publish -> settle. One engine for publish_outbox and compensate_outbox.
+
+1. **Claim** a batch of due rows in a short transaction (``SELECT ... FOR UPDATE SKIP
+   LOCKED``) that pushes their ``next_retry_time`` forward as a lease and stamps a lease
+   token. The transaction commits before anything is sent.
+2. **Publish** the batch through the backend, outside any transaction, and wait for the
+   broker's confirms.
+3. **Settle** in one short transaction: confirmed rows become SENT; failed ones get
+   ``retry_count + 1``, ``last_error`` and their next due time from the retry policy, or
+   DEAD past it. Every update is fenced on the lease token, so a relay that was frozen past
+   its lease cannot overwrite what another relay settled since.
+
+A relay killed anywhere leaves rows that are due again once their lease runs out:
+duplicates are possible, loss is not. A broker that cannot be reached is not the events'
+fault: their claim is released without counting an attempt and the relay backs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections, router, transaction
+
+from . import metrics
+from .alerts import notify_dead
+from .backends import get_backend
+from .backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+from .conf import outbox_settings
+from .db import DbNow
+from .models import OutboxEvent, Status
+from .querysets import OutboxEventQuerySet
+from .retry import RetryPolicy, ScheduleRetryPolicy
+
+logger = logging.getLogger("django_outbox.relay")
+
+MAX_ERROR_LENGTH = 2000
+
+
+class BrokerOutage(Exception):
+    """The broker went away; the batch's claims were released. The caller backs off.
+
+    ``result`` holds what the interrupted batch did settle (confirmed or dead rows).
+    """
+
+    def __init__(self, message: str, result: PassResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result if result is not None else PassResult()
+
+
+@dataclass
+class PassResult:
+    """Totals of one or more batches."""
+
+    found: int = 0
+    sent: int = 0
+    failed: int = 0
+    dead: int = 0
+    released: int = 0
+    batches: int = 0
+    dead_events: list[OutboxEvent] = field(default_factory=list, repr=False)
+
+    def add(self, other: PassResult) -> None:
+        self.found += other.found
+        self.sent += other.sent
+        self.failed += other.failed
+        self.dead += other.dead
+        self.released += other.released
+        self.batches += other.batches
+        self.dead_events.extend(other.dead_events)
+
+    def summary(self) -> str:
+        return f"found={self.found} sent={self.sent} failed={self.failed} dead={self.dead}"
+
+
+def due_source(queryset: OutboxEventQuerySet) -> OutboxEventQuerySet:
+    """What publish_outbox claims: every due row."""
+    return queryset.due()
+
+
+class Relay:
+    """Moves committed outbox rows to the broker. Used by one thread.
+
+    ``source`` narrows what is claimed (the compensator passes stale rows only);
+    ``policy`` decides retries; ``job`` labels logs and metrics.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: BaseBackend | None = None,
+        batch_size: int | None = None,
+        lease_seconds: float | None = None,
+        policy: RetryPolicy | None = None,
+        source: Callable[[OutboxEventQuerySet], OutboxEventQuerySet] = due_source,
+        job: str = "publish",
+        using: str | None = None,
+        heartbeat_file: str | None = None,
+    ) -> None:
+        self.backend = backend if backend is not None else get_backend()
+        self.batch_size = batch_size or outbox_settings.BATCH_SIZE
+        self.lease_seconds = lease_seconds or outbox_settings.LEASE_SECONDS
+        self.policy = policy or ScheduleRetryPolicy.from_settings()
+        self.source = source
+        self.job = job
+        self.using = using or router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
+        heartbeat = outbox_settings.HEARTBEAT_FILE if heartbeat_file is None else heartbeat_file
+        self.heartbeat_path = Path(heartbeat) if heartbeat else None
+        self._opened = False
+
+    # -- one batch -------------------------------------------------------------------------
+    def queryset(self) -> OutboxEventQuerySet:
+        return OutboxEvent.objects.using(self.using).all()
+
+    def claim(self, limit: int) -> tuple[str, list[OutboxEvent]]:
+        return self.source(self.queryset()).claim(limit, lease_seconds=self.lease_seconds)
+
+    def run_batch(self, limit: int | None = None) -> PassResult:
+        """Claim, publish and settle one batch. Raises BrokerOutage after releasing it."""
+        started = time.monotonic()
+        token, rows = self.claim(limit or self.batch_size)
+        if not rows:
+            return PassResult()
+        try:
+            self._ensure_open()
+            results = self.backend.publish(rows)
+        except BrokerUnavailable as exc:
+            self.release(token, rows, f"broker unavailable: {exc}")
+            raise BrokerOutage(str(exc)) from exc
+        except Exception as exc:
+            # A bug or an unexpected library error: count it against the rows (they may be
+            # what triggers it) rather than loop on them forever.
+            logger.exception("[%s] backend raised while publishing %d events", self.job, len(rows))
+            reason = f"{type(exc).__name__}: {exc}"
+            results = [PublishResult.failed(Reason.ERROR, reason)] * len(rows)
+        if len(results) != len(rows):
+            raise RuntimeError(
+                f"{type(self.backend).__name__}.publish() returned {len(results)} results for "
+                f"{len(rows)} events; a backend must return one result per event."
+            )
+        result = self.settle(token, rows, results)
+        result.batches = 1
+        metrics.batch_duration(time.monotonic() - started, self.job)
+        if result.released:
+            raise BrokerOutage(f"connection lost with {result.released} events unconfirmed", result)
+        return result
+
+    def settle(
+        self, token: str, rows: Sequence[OutboxEvent], results: Sequence[PublishResult]
+    ) -> PassResult:
+        """Record the outcome of a publish in one short transaction, fenced on the token."""
+        confirmed_at = time.time()
+        sent = [row for row, res in zip(rows, results, strict=True) if res.ok]
+        lost = [
+            (row, res)
+            for row, res in zip(rows, results, strict=True)
+            if not res.ok and res.reason is not None and res.reason.is_connection_level
+        ]
+        failed = [
+            (row, res)
+            for row, res in zip(rows, results, strict=True)
+            if not res.ok and not (res.reason is not None and res.reason.is_connection_level)
+        ]
+        result = PassResult(found=len(rows))
+        held = self.queryset().held_by(token)
+        with transaction.atomic(using=self.using):
+            if sent:
+                n = held.filter(pk__in=[r.pk for r in sent]).update(
+                    status=Status.SENT, sent_at=DbNow(), lease_token=""
+                )
+                result.sent = n
+                if n < len(sent):
+                    logger.warning(
+                        "[%s] %d of %d confirmed events had been taken over by another relay "
+                        "(this relay outlived its lease); they may be delivered twice",
+                        self.job,
+                        len(sent) - n,
+                        len(sent),
+                    )
+            if failed or lost:
+                # Failures are rare: lock what is still ours so alerts and counts are exact.
+                ours = set(
+                    held.filter(pk__in=[r.pk for r, _ in failed + lost])
+                    .select_for_update()
+                    .values_list("pk", flat=True)
+                )
+                result.failed, result.dead_events = self._settle_failures(
+                    [(r, res) for r, res in failed if r.pk in ours]
+                )
+                result.dead = len(result.dead_events)
+                lost_ours = [r for r, _ in lost if r.pk in ours]
+                if lost_ours:
+                    result.released = self._release_rows(
+                        token, lost_ours, f"connection lost: {lost[0][1].error}"
+                    )
+        metrics.published((r.event_type for r in sent), self.job)
+        metrics.confirm_latencies(confirmed_at - r.created_at.timestamp() for r in sent)
+        for reason in Reason:
+            metrics.failed(
+                reason.value, sum(1 for _, res in failed + lost if res.reason is reason), self.job
+            )
+        metrics.dead(result.dead, self.job)
+        if failed:
+            logger.warning(
+                "[%s] %d events failed: %s",
+                self.job,
+                len(failed),
+                ", ".join(
+                    f"{r.event_id} ({res.reason and res.reason.value})" for r, res in failed[:10]
+                ),
+            )
+        logger.debug("[%s] batch %s", self.job, result.summary())
+        return result
+
+    def _settle_failures(
+        self, failed: list[tuple[OutboxEvent, PublishResult]]
+    ) -> tuple[int, list[OutboxEvent]]:
+        if not failed:
+            return 0, []
+        dead: list[OutboxEvent] = []
+        for row, res in failed:
+            row.retry_count += 1
+            row.last_error = (f"[{res.reason.value if res.reason else 'error'}] {res.error}")[
+                :MAX_ERROR_LENGTH
+            ]
+            row.lease_token = ""
+            delay = self.policy.delay_after(row.retry_count)
+            if delay is None:
+                row.status = Status.DEAD
+                row.next_retry_time = DbNow()
+                dead.append(row)
+            else:
+                row.next_retry_time = DbNow() + timedelta(seconds=delay)
+        self.queryset().bulk_update(
+            [row for row, _ in failed],
+            ["retry_count", "last_error", "lease_token", "status", "next_retry_time"],
+        )
+        return len(failed), dead
+
+    def _release_rows(self, token: str, rows: Sequence[OutboxEvent], error: str) -> int:
+        return (
+            self.queryset()
+            .held_by(token)
+            .filter(pk__in=[r.pk for r in rows])
+            .update(next_retry_time=DbNow(), lease_token="", last_error=error[:MAX_ERROR_LENGTH])
+        )
+
+    def release(self, token: str, rows: Sequence[OutboxEvent], error: str) -> int:
+        """Give claimed rows back, due at once, without counting an attempt."""
+        with transaction.atomic(using=self.using):
+            n = self._release_rows(token, rows, error)
+        metrics.failed(Reason.CONNECTION_LOST.value, len(rows), self.job)
+        return n
+
+    # -- passes ----------------------------------------------------------------------------
+    def drain(
+        self,
+        *,
+        max_events: int | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> PassResult:
+        """Run batches until nothing is due (or ``max_events``), then alert on dead rows.
+
+        Raises BrokerOutage when the broker went away (after alerting on what died).
+        """
+        total = PassResult()
+        try:
+            while not should_stop():
+                limit = self.batch_size
+                if max_events is not None:
+                    limit = min(limit, max_events - total.found)
+                    if limit <= 0:
+                        break
+                try:
+                    result = self.run_batch(limit)
+                except BrokerOutage as exc:
+                    total.add(exc.result)
+                    raise
+                total.add(result)
+                self.beat()
+                if result.found < limit:
+                    break
+        finally:
+            if total.dead_events:
+                notify_dead(total.dead_events)
+        return total
+
+    def run(
+        self,
+        *,
+        stop: threading.Event,
+        interval: float | None = None,
+        waker: Waker | None = None,
+        max_events: int | None = None,
+    ) -> PassResult:
+        """Relay until ``stop`` is set: drain, then sleep until woken or ``interval``."""
+        interval = outbox_settings.POLL_INTERVAL if interval is None else interval
+        waker = waker or make_waker(self.using, stop)
+        backoff = Backoff(maximum=outbox_settings.BROKER_BACKOFF_MAX)
+        total = PassResult()
+        logger.info(
+            "[%s] relay started: backend=%s batch_size=%d interval=%ss wake=%s",
+            self.job,
+            type(self.backend).__name__,
+            self.batch_size,
+            interval,
+            type(waker).__name__,
+        )
+        try:
+            while not stop.is_set():
+                close_old_connections()
+                self.beat()
+                remaining = None if max_events is None else max_events - total.found
+                if remaining is not None and remaining <= 0:
+                    break
+                try:
+                    result = self.drain(max_events=remaining, should_stop=stop.is_set)
+                except BrokerOutage as exc:
+                    self._close_backend()
+                    pause = backoff.next()
+                    logger.warning(
+                        "[%s] broker unavailable (%s); retrying in %.1fs", self.job, exc, pause
+                    )
+                    stop.wait(pause)
+                    continue
+                except Exception:
+                    # The database went away or similar: never die on a transient error;
+                    # the liveness probe catches a relay that stops making progress.
+                    pause = backoff.next()
+                    logger.exception("[%s] relay pass failed; retrying in %.1fs", self.job, pause)
+                    close_old_connections()
+                    stop.wait(pause)
+                    continue
+                backoff.reset()
+                total.add(result)
+                if result.found:
+                    logger.info("[%s] %s", self.job, result.summary())
+                close_old_connections()
+                waker.wait(interval)
+        finally:
+            waker.close()
+            self._close_backend()
+            close_old_connections()
+        return total
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _ensure_open(self) -> None:
+        if not self._opened:
+            self.backend.open()
+            self._opened = True
+
+    def _close_backend(self) -> None:
+        if self._opened:
+            self._opened = False
+            try:
+                self.backend.close()
+            except Exception:
+                logger.debug("closing the backend failed", exc_info=True)
+
+    def close(self) -> None:
+        self._close_backend()
+
+    def beat(self) -> None:
+        """Touch the heartbeat file, for a liveness probe."""
+        if self.heartbeat_path is None:
+            return
+        try:
+            self.heartbeat_path.touch()
+        except FileNotFoundError:
+            self.heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
+            self.heartbeat_path.touch()
+
+
+class Backoff:
+    """Exponential pause for relay-wide outages: 0.5 s, 1 s, 2 s, ... up to ``maximum``."""
+
+    def __init__(self, *, initial: float = 0.5, maximum: float = 30.0) -> None:
+        self.initial, self.maximum = initial, maximum
+        self.current = 0.0
+
+    def next(self) -> float:
+        self.current = min(self.maximum, self.current * 2 if self.current else self.initial)
+        return self.current
+
+    def reset(self) -> None:
+        self.current = 0.0
+
+
+# -- waking up -------------------------------------------------------------------------------
+class Waker:
+    """Sleeps between passes; ``stop`` cuts any sleep short."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    def wait(self, timeout: float) -> None:
+        self.stop.wait(timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class PostgresNotifyWaker(Waker):
+    """Wakes as soon as a transaction that emitted events commits (LISTEN/NOTIFY).
+
+    Uses a dedicated connection so ``close_old_connections()`` never drops the LISTEN; if
+    that connection fails, it falls back to polling and reconnects on the next wait.
+    """
+
+    SLICE = 0.2  # how often a wait looks at ``stop``; a NOTIFY interrupts it at once
+
+    def __init__(self, stop: threading.Event, using: str, channel: str) -> None:
+        super().__init__(stop)
+        self.using, self.channel = using, channel
+        self._wrapper: Any = None
+
+    def _listen(self) -> Any:
+        if self._wrapper is None:
+            wrapper = connections.create_connection(self.using)
+            wrapper.ensure_connection()
+            wrapper.set_autocommit(True)
+            with wrapper.cursor() as cursor:
+                cursor.execute(f'LISTEN "{self.channel}"')
+            self._wrapper = wrapper
+        return self._wrapper.connection
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            raw = self._listen()
+            while not self.stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                if self._received(raw, min(left, self.SLICE)):
+                    return
+        except Exception:
+            logger.warning("LISTEN connection failed; polling until it is back", exc_info=True)
+            self.close()
+            self.stop.wait(max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _received(raw: Any, timeout: float) -> bool:
+        if hasattr(raw, "notifies") and callable(raw.notifies):  # psycopg 3
+            return any(True for _ in raw.notifies(timeout=timeout, stop_after=1))
+        # psycopg2
+        if select.select([raw], [], [], timeout)[0]:
+            raw.poll()
+            got = bool(raw.notifies)
+            raw.notifies.clear()
+            return got
+        return False
+
+    def close(self) -> None:
+        if self._wrapper is not None:
+            with suppress(Exception):
+                self._wrapper.close()
+            self._wrapper = None
+
+
+def make_waker(using: str, stop: threading.Event) -> Waker:
+    if connections[using].vendor == "postgresql" and outbox_settings.NOTIFY:
+        channel = outbox_settings.NOTIFY_CHANNEL
+        if channel.replace("_", "").isalnum():
+            return PostgresNotifyWaker(stop, using, channel)
+        logger.warning("OUTBOX_NOTIFY_CHANNEL %r is not a plain identifier; polling", channel)
+    return Waker(stop)
+
+
+@contextmanager
+def relay_signals(stop: threading.Event, log: Callable[[str], None]) -> Iterator[None]:
+    """First SIGTERM/SIGINT: finish the batch in flight, then exit 0. Second: exit 1 now."""
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log(f"{name} again: exiting at once")
+            raise SystemExit(1)
+        log(f"{name} received: finishing the batch in flight, then exiting")
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

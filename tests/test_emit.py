@@ -1,0 +1,232 @@
+"""The atomic emit helper: events commit with the business write, or not at all."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from decimal import Decimal
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_outbox import outbox
+from django_outbox.exceptions import (
+    DuplicateEventId,
+    InvalidEvent,
+    NotInTransaction,
+    PayloadTooLarge,
+)
+from django_outbox.models import OutboxEvent, Status
+from orders.models import Order
+from orders.services import create_order
+from tests.testapp.models import Widget
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Boom(Exception):
+    pass
+
+
+def test_create_order_writes_one_order_and_one_pending_event():
+    order = create_order(user_id=7, amount=Decimal("12.50"))
+    assert Order.objects.count() == 1
+    event = OutboxEvent.objects.get()
+    assert event.status == Status.PENDING
+    assert event.retry_count == 0
+    assert event.event_type == "ORDER_CREATED"
+    assert (event.aggregate_type, event.aggregate_id) == ("ORDER", order.number)
+    assert event.payload == {
+        "order_id": order.pk,
+        "number": order.number,
+        "user_id": 7,
+        "amount": "12.50",
+    }
+    uuid.UUID(event.event_id)  # a generated UUID
+    # The database clock made it due at once.
+    assert OutboxEvent.objects.due().filter(pk=event.pk).exists()
+
+
+def test_exception_after_emit_leaves_neither_row():
+    with pytest.raises(Boom), outbox.atomic() as box:
+        order = Order.objects.create(number="A1", user_id=1)
+        box.emit("ORDER_CREATED", aggregate=order, payload={"id": order.pk})
+        raise Boom
+    assert not Order.objects.exists()
+    assert not OutboxEvent.objects.exists()
+
+
+def test_events_are_written_inside_the_block_before_commit():
+    with outbox.atomic() as box:
+        box.emit("A", payload={})
+        assert not OutboxEvent.objects.exists()  # collected, not yet inserted
+    assert OutboxEvent.objects.count() == 1
+
+
+def test_nested_block_rolled_back_keeps_only_outer_events():
+    with outbox.atomic() as outer:
+        outer.emit("OUTER_1", payload={})
+        with pytest.raises(Boom), outbox.atomic() as inner:
+            inner.emit("INNER", payload={})
+            raise Boom
+        outer.emit("OUTER_2", payload={})
+    assert sorted(OutboxEvent.objects.values_list("event_type", flat=True)) == [
+        "OUTER_1",
+        "OUTER_2",
+    ]
+
+
+def test_module_emit_in_rolled_back_savepoint_goes_with_it():
+    with outbox.atomic():
+        outbox.emit("KEPT", payload={})
+        with pytest.raises(Boom), transaction.atomic():
+            outbox.emit("ROLLED_BACK", payload={})
+            raise Boom
+    assert list(OutboxEvent.objects.values_list("event_type", flat=True)) == ["KEPT"]
+
+
+def test_module_emit_inside_plain_atomic():
+    with transaction.atomic():
+        Widget.objects.create(code="w1")
+        outbox.emit("WIDGET_CREATED", aggregate_type="WIDGET", aggregate_id="w1", payload={})
+    assert OutboxEvent.objects.get().aggregate_id == "w1"
+
+
+def test_outer_rollback_discards_inner_committed_savepoint():
+    with pytest.raises(Boom), outbox.atomic():
+        with outbox.atomic() as inner:
+            inner.emit("INNER", payload={})
+        raise Boom
+    assert not OutboxEvent.objects.exists()
+
+
+def test_several_events_in_one_block_are_one_insert():
+    with CaptureQueriesContext(connection) as queries, outbox.atomic() as box:
+        for i in range(5):
+            box.emit("MANY", payload={"i": i})
+    inserts = [q["sql"] for q in queries.captured_queries if "INSERT" in q["sql"].upper()]
+    assert len(inserts) == 1
+    assert "django_outbox_outboxevent" in inserts[0]
+    assert OutboxEvent.objects.count() == 5
+
+
+def test_module_emit_joins_the_block_insert():
+    with CaptureQueriesContext(connection) as queries, outbox.atomic():
+        outbox.emit("A", payload={})
+        outbox.emit("B", payload={})
+    inserts = [q for q in queries.captured_queries if q["sql"].upper().startswith("INSERT")]
+    assert len(inserts) == 1
+
+
+def test_no_broker_and_no_on_commit_hook():
+    with outbox.atomic() as box:
+        box.emit("A", payload={})
+        assert connection.run_on_commit == []
+
+
+def test_aggregate_from_model_instance_with_string_pk():
+    with outbox.atomic() as box:
+        widget = Widget.objects.create(code="w-42")
+        box.emit("WIDGET_CREATED", aggregate=widget, payload={})
+    event = OutboxEvent.objects.get()
+    assert (event.aggregate_type, event.aggregate_id) == ("testapp.Widget", "w-42")
+
+
+def test_explicit_fields_are_kept():
+    when = dt.datetime(2024, 1, 2, 3, 4, 5, 600000, tzinfo=dt.timezone.utc)
+    event_id = uuid.uuid4()
+    with outbox.atomic() as box:
+        box.emit(
+            "X",
+            payload={"when": when, "price": Decimal("1.10"), "ref": event_id},
+            event_id=event_id,
+            headers={"trace_id": "abc", "schema": 2},
+            occurred_at=when,
+        )
+    event = OutboxEvent.objects.get()
+    assert event.event_id == str(event_id)
+    assert event.occurred_at == when
+    assert event.headers == {"trace_id": "abc", "schema": 2}
+    assert event.payload == {"when": "2024-01-02T03:04:05.600Z", "price": "1.10", "ref": str(event_id)}
+
+
+def test_using_selects_the_alias():
+    with outbox.atomic(using="default") as box:
+        box.emit("X", payload={})
+    assert OutboxEvent.objects.using("default").count() == 1
+
+
+BAD_INPUT = [
+    ({"event_type": "", "payload": {}}, InvalidEvent, "non-empty"),
+    ({"event_type": "   ", "payload": {}}, InvalidEvent, "non-empty"),
+    ({"event_type": "X", "payload": {"obj": object()}}, InvalidEvent, "not JSON-serialisable"),
+    ({"event_type": "X", "payload": {"nan": float("nan")}}, InvalidEvent, "not JSON-serialisable"),
+    ({"event_type": "X" * 129, "payload": {}}, InvalidEvent, "at most 128"),
+    ({"event_type": "X", "payload": {}, "aggregate_id": "9" * 65}, InvalidEvent, "at most 64"),
+    ({"event_type": "X", "payload": {}, "headers": {"attempt": 3}}, InvalidEvent, "may not use"),
+    ({"event_type": "X", "payload": {}, "headers": ["a"]}, InvalidEvent, "mapping"),
+    ({"event_type": "X", "payload": {}, "aggregate": "ORDER"}, InvalidEvent, "model instance"),
+    ({"event_type": "X", "payload": {}, "occurred_at": "yesterday"}, InvalidEvent, "datetime"),
+    ({"event_type": "X", "payload": "x" * 300_000}, PayloadTooLarge, "OUTBOX_MAX_PAYLOAD_BYTES"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "text"), BAD_INPUT)
+def test_bad_input_raises_and_rolls_back_the_business_write(kwargs, error, text):
+    with pytest.raises(error, match=text), outbox.atomic() as box:
+        Widget.objects.create(code="rolled-back")
+        box.emit(kwargs.pop("event_type"), **kwargs)
+    assert not Widget.objects.exists()
+    assert not OutboxEvent.objects.exists()
+
+
+def test_payload_limit_is_a_setting(settings):
+    settings.OUTBOX_MAX_PAYLOAD_BYTES = 10
+    with pytest.raises(PayloadTooLarge), outbox.atomic() as box:
+        box.emit("X", payload={"long": "enough to pass ten bytes"})
+
+
+def test_unsaved_aggregate_is_rejected():
+    with pytest.raises(InvalidEvent, match="save it"), outbox.atomic() as box:
+        box.emit("X", aggregate=Widget(code=None), payload={})
+
+
+def test_emit_in_autocommit_says_to_wrap_the_block():
+    with pytest.raises(NotInTransaction, match=r"outbox\.atomic\(\)"):
+        outbox.emit("X", payload={})
+    assert not OutboxEvent.objects.exists()
+
+
+def test_box_emit_after_block_is_an_error():
+    with outbox.atomic() as box:
+        pass
+    with pytest.raises(NotInTransaction):
+        box.emit("X", payload={})
+
+
+def test_duplicate_event_id_in_one_block():
+    with pytest.raises(DuplicateEventId, match="twice"), outbox.atomic() as box:
+        Widget.objects.create(code="w")
+        box.emit("X", payload={}, event_id="same")
+        box.emit("X", payload={}, event_id="same")
+    assert not Widget.objects.exists()
+    assert not OutboxEvent.objects.exists()
+
+
+def test_duplicate_event_id_across_transactions_rolls_back_the_second():
+    with outbox.atomic() as box:
+        box.emit("X", payload={}, event_id="once")
+    with pytest.raises(DuplicateEventId, match="exists already"), outbox.atomic() as box:
+        Widget.objects.create(code="second")
+        box.emit("X", payload={}, event_id="once")
+    assert not Widget.objects.exists()
+    assert OutboxEvent.objects.count() == 1
+
+
+def test_notify_is_sent_on_postgresql(db_vendor):
+    if db_vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL only")
+    with CaptureQueriesContext(connection) as queries, outbox.atomic() as box:
+        box.emit("X", payload={})
+    assert any("pg_notify" in q["sql"] for q in queries.captured_queries)

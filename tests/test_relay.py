@@ -1,0 +1,250 @@
+"""The relay engine over the in-memory backend: claim, lease, settle, retry, DEAD, fencing."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_outbox import outbox
+from django_outbox.backends import locmem
+from django_outbox.backends.base import PublishResult, Reason
+from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay import BrokerOutage, Relay
+from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def emit_many(n: int, event_type: str = "E") -> list[OutboxEvent]:
+    with outbox.atomic() as box:
+        for i in range(n):
+            box.emit(event_type, aggregate_type="T", aggregate_id=str(i), payload={"i": i})
+        events = list(box.events)
+    return events
+
+
+def make_relay(**kwargs) -> Relay:
+    kwargs.setdefault("backend", locmem.LocmemBackend())
+    return Relay(**kwargs)
+
+
+def test_drain_publishes_in_id_order_and_marks_sent():
+    emit_many(250)
+    result = make_relay(batch_size=100).drain()
+    assert (result.found, result.sent, result.failed, result.batches) == (250, 250, 0, 3)
+    assert OutboxEvent.objects.sent().count() == 250
+    assert [m.headers["sequence"] for m in locmem.outbox] == sorted(
+        OutboxEvent.objects.values_list("id", flat=True)
+    )
+    event = OutboxEvent.objects.order_by("id").first()
+    assert event.sent_at is not None and event.lease_token == ""
+
+
+def test_message_carries_the_wire_format():
+    with outbox.atomic() as box:
+        box.emit("ORDER_CREATED", aggregate_type="ORDER", aggregate_id="42", payload={"a": 1},
+                 headers={"trace": "t"})
+    make_relay().drain()
+    (message,) = locmem.outbox
+    event = OutboxEvent.objects.get()
+    assert message.message_id == event.event_id
+    assert message.routing_key == "ORDER_CREATED"
+    assert message.body == b'{"a":1}'
+    assert message.headers == {
+        "trace": "t",
+        "aggregate_type": "ORDER",
+        "aggregate_id": "42",
+        "occurred_at": event.occurred_at.isoformat(),
+        "attempt": 1,
+        "sequence": event.pk,
+    }
+
+
+def test_routing_key_map_and_func(settings):
+    settings.OUTBOX_ROUTING_KEYS = {"A": "orders.a"}
+    emit_many(1, "A")
+    emit_many(1, "B")
+    make_relay().drain()
+    assert [m.routing_key for m in locmem.outbox] == ["orders.a", "B"]
+
+
+def test_claim_leases_rows_so_a_second_claim_skips_them():
+    emit_many(10)
+    qs = OutboxEvent.objects.due()
+    token, rows = qs.claim(6, lease_seconds=60)
+    assert len(rows) == 6
+    assert OutboxEvent.objects.due().count() == 4
+    _, others = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    assert {r.pk for r in rows}.isdisjoint({r.pk for r in others})
+    assert OutboxEvent.objects.held_by(token).count() == 6
+
+
+def test_claim_is_two_statements_in_one_transaction():
+    emit_many(5)
+    with CaptureQueriesContext(connection) as queries:
+        OutboxEvent.objects.due().claim(5, lease_seconds=60)
+    sql = [q["sql"].upper() for q in queries.captured_queries]
+    selects = [s for s in sql if s.startswith("SELECT")]
+    updates = [s for s in sql if s.startswith("UPDATE")]
+    assert len(selects) == 1 and len(updates) == 1
+    if connection.vendor != "sqlite":
+        assert "SKIP LOCKED" in selects[0]
+
+
+def test_failed_publish_follows_the_schedule_then_dead(settings):
+    settings.OUTBOX_RETRY_SCHEDULE = [1, 5]
+    emit_many(1)
+    relay = make_relay()
+    row = OutboxEvent.objects.get()
+    for attempt, delay in [(1, 1), (2, 5)]:
+        OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
+        locmem.fail_next.append(Reason.NACKED)
+        before = timezone.now()
+        result = relay.drain()
+        assert result.failed == 1 and result.dead == 0
+        row.refresh_from_db()
+        assert row.status == Status.PENDING
+        assert row.retry_count == attempt
+        assert "[nacked]" in row.last_error
+        assert row.lease_token == ""
+        assert before + timedelta(seconds=delay - 1) < row.next_retry_time
+        assert row.next_retry_time < before + timedelta(seconds=delay + 2)
+    OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
+    locmem.fail_next.append(Reason.UNROUTABLE)
+    result = relay.drain()
+    assert result.dead == 1
+    row.refresh_from_db()
+    assert row.status == Status.DEAD and row.retry_count == 3
+    assert "[unroutable]" in row.last_error
+    assert locmem.outbox == []
+
+
+def test_dead_letters_alert_once_per_pass(caplog, settings):
+    settings.OUTBOX_RETRY_SCHEDULE = [1]
+    emit_many(3)
+    OutboxEvent.objects.update(retry_count=1)
+    locmem.fail_next.extend([Reason.NACKED] * 3)
+    with caplog.at_level("ERROR", logger="django_outbox.alerts"):
+        result = make_relay().drain()
+    assert result.dead == 3
+    alerts = [r for r in caplog.records if r.name == "django_outbox.alerts"]
+    assert len(alerts) == 1
+    for event in OutboxEvent.objects.all():
+        assert event.event_id in alerts[0].getMessage()
+
+
+def test_default_schedule_is_the_articles():
+    policy = ScheduleRetryPolicy.from_settings()
+    assert [policy.delay_after(n) for n in range(1, 9)] == [
+        1, 5, 30, 120, 900, 3600, 21600, None,
+    ]
+    fixed = FixedRetryPolicy.compensation()
+    assert fixed.delay_after(10) == 60 and fixed.delay_after(11) is None
+
+
+def test_broker_unavailable_releases_rows_without_counting_an_attempt():
+    emit_many(3)
+    locmem.unavailable = True
+    relay = make_relay()
+    with pytest.raises(BrokerOutage):
+        relay.drain()
+    for event in OutboxEvent.objects.all():
+        assert event.status == Status.PENDING
+        assert event.retry_count == 0
+        assert event.lease_token == ""
+        assert "broker unavailable" in event.last_error
+    assert OutboxEvent.objects.due().count() == 3  # due again at once
+    locmem.unavailable = False
+    relay.close()
+    assert relay.drain().sent == 3
+
+
+class PartlyLost(locmem.LocmemBackend):
+    """Confirms the first event, then the connection 'drops' with the rest in flight."""
+
+    def publish(self, events):
+        results = super().publish(events[:1])
+        lost = PublishResult.failed(Reason.CONNECTION_LOST, "socket closed")
+        return results + [lost] * (len(events) - 1)
+
+
+def test_connection_lost_mid_batch_keeps_confirmed_and_releases_the_rest():
+    emit_many(4)
+    relay = make_relay(backend=PartlyLost())
+    with pytest.raises(BrokerOutage) as info:
+        relay.drain()
+    assert info.value.result.sent == 1
+    assert OutboxEvent.objects.sent().count() == 1
+    pending = OutboxEvent.objects.pending()
+    assert pending.count() == 3
+    assert all(e.retry_count == 0 for e in pending)
+    assert pending.filter(next_retry_time__lte=timezone.now()).count() == 3
+
+
+def test_settle_is_fenced_on_the_lease_token():
+    """A relay frozen past its lease cannot overwrite what another relay settled."""
+    emit_many(2)
+    stale = make_relay(lease_seconds=60)
+    token, rows = stale.claim(10)
+    # The lease runs out while the first relay is frozen; a second relay takes the rows.
+    OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
+    assert make_relay().drain().sent == 2
+    # The stale relay wakes up and reports a failure for one row and success for the other.
+    results = [PublishResult.failed(Reason.NACKED, "late"), PublishResult.sent()]
+    result = stale.settle(token, rows, results)
+    assert (result.sent, result.failed, result.dead) == (0, 0, 0)
+    for event in OutboxEvent.objects.all():
+        assert event.status == Status.SENT and event.retry_count == 0 and event.last_error == ""
+
+
+def test_settle_uses_few_statements():
+    emit_many(100)
+    relay = make_relay()
+    token, rows = relay.claim(100)
+    with CaptureQueriesContext(connection) as queries:
+        relay.settle(token, rows, [PublishResult.sent()] * 100)
+    writes = [q for q in queries.captured_queries if q["sql"].upper().startswith("UPDATE")]
+    assert len(writes) == 1
+
+
+def test_backend_bug_counts_as_a_failed_attempt():
+    class Broken(locmem.LocmemBackend):
+        def publish(self, events):
+            raise RuntimeError("bug")
+
+    emit_many(1)
+    result = make_relay(backend=Broken()).drain()
+    assert result.failed == 1
+    assert "RuntimeError: bug" in OutboxEvent.objects.get().last_error
+
+
+def test_run_stops_on_event_and_beats(tmp_path):
+    emit_many(5)
+    stop = threading.Event()
+    heartbeat = tmp_path / "hb" / "beat"
+    relay = make_relay(heartbeat_file=str(heartbeat))
+    thread = threading.Thread(target=relay.run, kwargs={"stop": stop, "interval": 0.05})
+    thread.start()
+    try:
+        for _ in range(100):
+            if OutboxEvent.objects.sent().count() == 5:
+                break
+            threading.Event().wait(0.05)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+    assert OutboxEvent.objects.sent().count() == 5
+    assert heartbeat.exists()
+
+
+def test_compensation_source_takes_only_stale_rows():
+    emit_many(3)
+    old = list(OutboxEvent.objects.order_by("id").values_list("id", flat=True)[:2])
+    OutboxEvent.objects.filter(id__in=old).update(created_at=timezone.now() - timedelta(minutes=11))
+    assert set(OutboxEvent.objects.due().stale(600).values_list("id", flat=True)) == set(old)
