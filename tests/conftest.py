@@ -16,8 +16,12 @@ AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 START_HINTS = {
     "rabbitmq": "start it with `rabbitmq-server -detached` (or set AMQP_URL)",
-    "postgresql": "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`",
-    "mariadb": "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`",
+    "postgresql": (
+        "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
+    ),
+    "mariadb": (
+        "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`"
+    ),
 }
 
 
@@ -39,6 +43,16 @@ def require_service(name: str, url: str, default_port: int) -> None:
     if IN_CI:
         pytest.fail(message)
     pytest.skip(message)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run database-independent tests (marked ``once``) only in the SQLite pass."""
+    if os.environ.get("DATABASE_URL", "sqlite").startswith("sqlite"):
+        return
+    keep = [item for item in items if item.get_closest_marker("once") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import os
 
 os.environ.setdefault("DATABASE_URL", "sqlite://:memory:")
 
-from config.settings import *  # noqa: E402,F403
+from config.settings import *  # noqa: F403
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
 

@@ -148,7 +148,11 @@ def test_explicit_fields_are_kept():
     assert event.event_id == str(event_id)
     assert event.occurred_at == when
     assert event.headers == {"trace_id": "abc", "schema": 2}
-    assert event.payload == {"when": "2024-01-02T03:04:05.600Z", "price": "1.10", "ref": str(event_id)}
+    assert event.payload == {
+        "when": "2024-01-02T03:04:05.600Z",
+        "price": "1.10",
+        "ref": str(event_id),
+    }
 
 
 def test_using_selects_the_alias():

@@ -47,8 +47,13 @@ def test_drain_publishes_in_id_order_and_marks_sent():
 
 def test_message_carries_the_wire_format():
     with outbox.atomic() as box:
-        box.emit("ORDER_CREATED", aggregate_type="ORDER", aggregate_id="42", payload={"a": 1},
-                 headers={"trace": "t"})
+        box.emit(
+            "ORDER_CREATED",
+            aggregate_type="ORDER",
+            aggregate_id="42",
+            payload={"a": 1},
+            headers={"trace": "t"},
+        )
     make_relay().drain()
     (message,) = locmem.outbox
     event = OutboxEvent.objects.get()
@@ -141,7 +146,14 @@ def test_dead_letters_alert_once_per_pass(caplog, settings):
 def test_default_schedule_is_the_articles():
     policy = ScheduleRetryPolicy.from_settings()
     assert [policy.delay_after(n) for n in range(1, 9)] == [
-        1, 5, 30, 120, 900, 3600, 21600, None,
+        1,
+        5,
+        30,
+        120,
+        900,
+        3600,
+        21600,
+        None,
     ]
     fixed = FixedRetryPolicy.compensation()
     assert fixed.delay_after(10) == 60 and fixed.delay_after(11) is None

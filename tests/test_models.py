@@ -1,0 +1,89 @@
+"""The table in the real database: named indexes and constraint, clean migrations."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from django_outbox.conf import OutboxSettings
+from django_outbox.models import OutboxEvent, Status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.django_db
+def test_relay_index_and_unique_constraint_exist_in_the_database():
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, OutboxEvent._meta.db_table)
+    due = constraints["django_outbox_due_idx"]
+    assert due["index"] and due["columns"] == ["status", "next_retry_time"]
+    assert constraints["django_outbox_created_idx"]["columns"] == ["status", "created_at"]
+    assert constraints["django_outbox_aggregate_idx"]["columns"] == [
+        "aggregate_type",
+        "aggregate_id",
+        "id",
+    ]
+    unique = constraints["django_outbox_event_id_uniq"]
+    assert unique["unique"] and unique["columns"] == ["event_id"]
+
+
+@pytest.mark.django_db
+def test_relay_scan_uses_the_composite_index():
+    if connection.vendor != "postgresql":
+        pytest.skip("EXPLAIN output checked on PostgreSQL")
+    with connection.cursor() as cursor:
+        cursor.execute("SET enable_seqscan = off")
+        plan = OutboxEvent.objects.due().order_by("id")[:100].explain()
+        cursor.execute("RESET enable_seqscan")
+    assert "django_outbox_due_idx" in plan or "django_outbox_outboxevent_pkey" in plan
+
+
+def test_status_numbers_match_the_article():
+    assert (Status.PENDING, Status.SENT, Status.DEAD) == (0, 1, 2)
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    "auto_field", ["django.db.models.BigAutoField", "django.db.models.AutoField"]
+)
+def test_makemigrations_is_clean_whatever_the_default_auto_field(auto_field, tmp_path):
+    settings_file = tmp_path / "auto_settings.py"
+    settings_file.write_text(f"from tests.settings import *\nDEFAULT_AUTO_FIELD = {auto_field!r}\n")
+    env = {
+        "PYTHONPATH": f"{tmp_path}:{ROOT}:{ROOT / 'testproject'}",
+        "DJANGO_SETTINGS_MODULE": "auto_settings",
+        "PATH": "/usr/bin:/bin",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "django", "makemigrations", "django_outbox", "--check", "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.once
+def test_every_setting_is_documented():
+    text = (ROOT / "docs" / "settings.md").read_text()
+    missing = [name for name in OutboxSettings.names() if f"`{name}`" not in text]
+    assert missing == []
+
+
+def test_settings_are_read_lazily(settings):
+    from django_outbox.conf import outbox_settings
+
+    assert outbox_settings.BATCH_SIZE == 100
+    settings.OUTBOX_BATCH_SIZE = 7
+    assert outbox_settings.BATCH_SIZE == 7
+
+
+def test_mutable_defaults_are_not_shared():
+    from django_outbox.conf import outbox_settings
+
+    outbox_settings.ROUTING_KEYS["X"] = "y"
+    assert outbox_settings.ROUTING_KEYS == {}
