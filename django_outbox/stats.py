@@ -1,0 +1,295 @@
+"""The outbox's health figures, computed in one place from the table itself.
+
+The article's lesson is to watch the outbox table, not the broker's send rate: the PENDING
+count (and its trend), the age of the oldest PENDING event and the number of dead letters
+catch every incident early. The admin dashboard, the Prometheus collector and
+``manage.py outbox_stats`` all read their figures from here, so the three never disagree.
+
+Every figure is measured against the **database clock**: :func:`db_now` reads it once per
+snapshot and all windows are cut from that instant, so a relay host with a skewed clock or a
+web server in another time zone changes nothing. The queries stay on the model's indexes:
+
+- counts by status and the oldest PENDING ``created_at``: ``(status, created_at)``;
+- the triage table and the "created" trend: ``status IN (0, 1, 2) AND created_at >= ...``,
+  again ``(status, created_at)`` (the ``IN`` lets PostgreSQL and MySQL use the index
+  without a leading equality on status);
+- "sent" in a window: ``status = SENT AND created_at >= window start - SENT_LOOKBACK AND
+  sent_at >= window start``. There is no index on ``sent_at``; bounding ``created_at`` keeps
+  the scan to recent rows instead of every SENT row kept for the retention period. A row
+  created more than ``SENT_LOOKBACK`` before the window and sent inside it (a delivery after
+  a day-long outage) is not counted in "sent"; it is still counted where it matters, in the
+  PENDING figures until it is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models import Count, Min, Q
+from django.db.models.functions import TruncMinute
+from django.db.models.sql import Query
+
+from .db import DbNow
+from .models import OutboxEvent, Status
+
+#: The default window of the triage table, "sent" and the trend: the article's last hour.
+DEFAULT_WINDOW = 3600.0
+#: How far before a window a row may have been created and still count as "sent" in it.
+SENT_LOOKBACK = timedelta(days=1)
+#: Number of bars of the trend, whatever the window (one per minute for an hour).
+TREND_BUCKETS = 60
+#: How many event types the "top dead letters" list names.
+TOP_DEAD_TYPES = 10
+
+_ALL_STATUSES = [int(s) for s in Status]
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The three figures worth alerting on; cheap enough to read at every scrape."""
+
+    pending: int
+    dead: int
+    #: Seconds since the oldest PENDING row was created, by the database clock; 0 when none.
+    oldest_pending_age: float
+    #: ``created_at`` of the oldest PENDING row (None when nothing is pending).
+    oldest_pending_created_at: datetime | None
+    now: datetime
+
+
+@dataclass(frozen=True)
+class TriageRow:
+    """One cell group of the article's ``GROUP BY status, retry_count`` query."""
+
+    status: int
+    retry_count: int
+    count: int
+
+    @property
+    def status_label(self) -> str:
+        return str(Status(self.status).label)
+
+
+@dataclass(frozen=True)
+class TrendBucket:
+    """Rows created and rows sent in ``[start, start + width)``."""
+
+    start: datetime
+    created: int
+    sent: int
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """A snapshot of everything the dashboard and ``outbox_stats`` show."""
+
+    gauges: Gauges
+    window: float
+    sent_in_window: int
+    created_in_window: int
+    triage: list[TriageRow]
+    top_dead_types: list[tuple[str, int]]
+    trend: list[TrendBucket]
+    trend_bucket_seconds: float
+    # Ordered mode (OUTBOX_ORDERED) adds its figures here, e.g. the number of aggregates
+    # whose head event is DEAD or retrying and so holds back the events behind it. Extend
+    # collect() below (the "ordered mode" section) and give the field a default so every
+    # caller keeps working.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> int:
+        return self.gauges.pending
+
+    @property
+    def dead(self) -> int:
+        return self.gauges.dead
+
+    @property
+    def oldest_pending_age(self) -> float:
+        return self.gauges.oldest_pending_age
+
+    def triage_matrix(self) -> tuple[list[int], list[tuple[str, list[int]]]]:
+        """The triage table as (retry counts, [(status label, counts per retry count)])."""
+        retries = sorted({row.retry_count for row in self.triage})
+        cells = {(row.status, row.retry_count): row.count for row in self.triage}
+        table = [
+            (str(status.label), [cells.get((int(status), r), 0) for r in retries])
+            for status in Status
+        ]
+        return retries, table
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``outbox_stats --json``); datetimes as ISO 8601 UTC strings."""
+        gauges = asdict(self.gauges)
+        return {
+            "now": _iso(self.gauges.now),
+            "window_seconds": self.window,
+            "pending": self.pending,
+            "dead": self.dead,
+            "oldest_pending_age_seconds": round(self.oldest_pending_age, 3),
+            "oldest_pending_created_at": _iso(gauges["oldest_pending_created_at"]),
+            "sent_in_window": self.sent_in_window,
+            "created_in_window": self.created_in_window,
+            "triage": [
+                {
+                    "status": row.status_label,
+                    "status_code": row.status,
+                    "retry_count": row.retry_count,
+                    "count": row.count,
+                }
+                for row in self.triage
+            ],
+            "top_dead_event_types": [
+                {"event_type": event_type, "count": n} for event_type, n in self.top_dead_types
+            ],
+            "trend_bucket_seconds": self.trend_bucket_seconds,
+            "trend": [
+                {"start": _iso(b.start), "created": b.created, "sent": b.sent} for b in self.trend
+            ],
+            **self.extra,
+        }
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.astimezone(UTC).isoformat() if value is not None else None
+
+
+def _aware_utc(value: Any) -> datetime:
+    if isinstance(value, str):  # SQLite returns text
+        value = datetime.fromisoformat(value)
+    if value.tzinfo is None:  # MySQL/MariaDB and SQLite: naive UTC
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)  # type: ignore[no-any-return]
+
+
+def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
+    """The database's current time, as an aware UTC datetime (one round trip).
+
+    Compiles :class:`~django_outbox.db.DbNow` with the connection's own compiler, so it is
+    the very expression the relay compares ``next_retry_time`` with.
+    """
+    connection = connections[using]
+    query = Query(OutboxEvent)
+    compiler = query.get_compiler(using=using)
+    sql, params = compiler.compile(DbNow().resolve_expression(query))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {sql}", list(params))
+        (value,) = cursor.fetchone()
+    return _aware_utc(value)
+
+
+def gauges(using: str = DEFAULT_DB_ALIAS) -> Gauges:
+    """PENDING count, DEAD count and oldest PENDING age: two short queries."""
+    now = db_now(using)
+    figures = (
+        OutboxEvent.objects.using(using)
+        .filter(status__in=[Status.PENDING, Status.DEAD])
+        .aggregate(
+            pending=Count("id", filter=Q(status=Status.PENDING)),
+            dead=Count("id", filter=Q(status=Status.DEAD)),
+            oldest=Min("created_at", filter=Q(status=Status.PENDING)),
+        )
+    )
+    oldest = figures["oldest"]
+    age = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
+    return Gauges(
+        pending=figures["pending"] or 0,
+        dead=figures["dead"] or 0,
+        oldest_pending_age=age,
+        oldest_pending_created_at=oldest,
+        now=now,
+    )
+
+
+def _bucket_seconds(window: float) -> float:
+    """Width of one trend bar: whole minutes, so per-minute counts add up exactly."""
+    return max(1, math.ceil(window / TREND_BUCKETS / 60)) * 60.0
+
+
+def collect(
+    *,
+    window: float = DEFAULT_WINDOW,
+    using: str = DEFAULT_DB_ALIAS,
+    top: int = TOP_DEAD_TYPES,
+) -> OutboxStats:
+    """Everything the dashboard and ``outbox_stats`` show, for the last ``window`` seconds."""
+    if window <= 0:
+        raise ValueError(f"window must be a positive number of seconds, not {window!r}")
+    g = gauges(using)
+    events = OutboxEvent.objects.using(using).order_by()
+    start = g.now - timedelta(seconds=window)
+    recent = events.filter(status__in=_ALL_STATUSES, created_at__gte=start)
+
+    # The article's triage query: SELECT status, retry_count, COUNT(*) ... GROUP BY both.
+    triage = [
+        TriageRow(status=status, retry_count=retry_count, count=n)
+        for status, retry_count, n in recent.values_list("status", "retry_count")
+        .annotate(n=Count("id"))
+        .order_by("status", "retry_count")
+    ]
+    created_in_window = sum(row.count for row in triage)
+
+    sent_recent = events.filter(
+        status=Status.SENT, created_at__gte=start - SENT_LOOKBACK, sent_at__gte=start
+    )
+    top_dead = list(
+        events.filter(status=Status.DEAD)
+        .values_list("event_type")
+        .annotate(n=Count("id"))
+        .order_by("-n", "event_type")[:top]
+    )
+
+    # Trend: per-minute counts from the database (TruncMinute in UTC needs no time zone
+    # tables on MySQL), folded into TREND_BUCKETS bars here.
+    width = _bucket_seconds(window)
+    end = g.now.replace(second=0, microsecond=0) + timedelta(minutes=1)
+    first = end - timedelta(seconds=width * TREND_BUCKETS)
+    created_by_minute = _per_minute(recent.filter(created_at__gte=first), "created_at")
+    sent_by_minute = _per_minute(sent_recent.filter(sent_at__gte=first), "sent_at")
+    created_counts = [0] * TREND_BUCKETS
+    sent_counts = [0] * TREND_BUCKETS
+    for counts, by_minute in ((created_counts, created_by_minute), (sent_counts, sent_by_minute)):
+        for minute, n in by_minute.items():
+            index = int((minute - first).total_seconds() // width)
+            if 0 <= index < TREND_BUCKETS:
+                counts[index] += n
+    bars = [
+        TrendBucket(
+            start=first + timedelta(seconds=width * i),
+            created=created_counts[i],
+            sent=sent_counts[i],
+        )
+        for i in range(TREND_BUCKETS)
+    ]
+
+    extra: dict[str, Any] = {}
+    # --- ordered mode ------------------------------------------------------------------
+    # Blocked aggregates (ordered delivery) are computed here when that mode lands, e.g.
+    # extra["blocked_aggregates"] = ...; the dashboard and outbox_stats print every key.
+
+    return OutboxStats(
+        gauges=g,
+        window=float(window),
+        sent_in_window=sent_recent.count(),
+        created_in_window=created_in_window,
+        triage=triage,
+        top_dead_types=[(event_type, n) for event_type, n in top_dead],
+        trend=bars,
+        trend_bucket_seconds=width,
+        extra=extra,
+    )
+
+
+def _per_minute(queryset: Any, column: str) -> dict[datetime, int]:
+    rows = (
+        queryset.annotate(minute=TruncMinute(column, tzinfo=UTC))
+        .values_list("minute")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+    return {_aware_utc(minute): n for minute, n in rows}
