@@ -17,9 +17,12 @@ class OutboxConfig(AppConfig):
 
         from . import checks  # noqa: F401  (registers the system checks)
         from .conf import PREFIX, reset_caches
+        from .metrics import register_collector
 
         def _on_setting_changed(*, setting: str, **kwargs: object) -> None:
             if setting.startswith(PREFIX):
                 reset_caches()
 
         setting_changed.connect(_on_setting_changed, weak=False, dispatch_uid="django_outbox")
+        # The database gauges, served by django-prometheus's /metrics and --metrics-port.
+        register_collector()

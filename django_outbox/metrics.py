@@ -1,15 +1,37 @@
-"""Prometheus metrics of the relay and the compensator.
+"""Prometheus metrics of the relay and the compensator, and the outbox table's gauges.
 
 Names follow django-prometheus: ``django_outbox_*``, counters end in ``_total``, durations
 in ``_seconds``; labels are few and bounded. The relay calls the small functions below so
 it never touches prometheus_client itself.
+
+Two kinds of metric live here:
+
+- **process counters** (published, failures, dead, latencies): each relay replica counts
+  what *it* did; ``sum()`` them across replicas.
+- **database gauges** (pending, dead, oldest pending age): read from the outbox table at
+  scrape time by :class:`OutboxCollector` through :mod:`django_outbox.stats`. Every process
+  that exposes them reports the *same* table, so aggregate them with ``max()``, never
+  ``sum()`` (docs/monitoring.md has the PromQL).
+
+The collector is registered on prometheus_client's default registry when the app is ready,
+so django-prometheus's ``/metrics`` view in the web process serves it; the worker commands
+serve the same registry on ``--metrics-port`` through :func:`start_metrics_server`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-from prometheus_client import Counter, Histogram
+from django.db import DEFAULT_DB_ALIAS, connections
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger("django_outbox.metrics")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 
@@ -65,3 +87,126 @@ def confirm_latencies(seconds: Iterable[float]) -> None:
 
 def batch_duration(seconds: float, job: str) -> None:
     BATCH_DURATION.labels(job=job).observe(seconds)
+
+
+# --- database gauges, read at scrape time ---------------------------------------------------
+
+PENDING_EVENTS = "django_outbox_pending_events"
+DEAD_EVENTS = "django_outbox_dead_events"
+OLDEST_PENDING_AGE = "django_outbox_oldest_pending_age_seconds"
+DATABASE_UP = "django_outbox_database_up"
+SCRAPE_DURATION = "django_outbox_stats_scrape_duration_seconds"
+
+_GAUGE_HELP = {
+    PENDING_EVENTS: "Outbox rows in status PENDING (database gauge: aggregate with max()).",
+    DEAD_EVENTS: "Outbox rows in status DEAD, waiting for triage (database gauge: max()).",
+    OLDEST_PENDING_AGE: (
+        "Seconds since the oldest PENDING row was created, by the database clock; 0 when "
+        "nothing is pending (database gauge: max())."
+    ),
+    DATABASE_UP: "1 if the outbox gauges were read from the database at this scrape, else 0.",
+    SCRAPE_DURATION: "Seconds the outbox gauges' database queries took at this scrape.",
+}
+
+
+class OutboxCollector(Collector):
+    """Reads the outbox gauges from the database each time Prometheus scrapes.
+
+    A scrape never fails because of the database: when it cannot be read the collector
+    reports ``django_outbox_database_up 0`` and leaves the other gauges out (so an alert on
+    them does not fire on stale numbers; alert on ``database_up`` or ``absent()`` instead).
+    """
+
+    def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
+        self.using = using
+
+    def describe(self) -> Iterator[Metric]:
+        # Without describe(), registering would call collect() and hit the database at
+        # import time; the names alone are enough for the registry's duplicate check.
+        for name, help_text in _GAUGE_HELP.items():
+            yield GaugeMetricFamily(name, help_text)
+
+    def collect(self) -> Iterator[Metric]:
+        from . import stats
+
+        started = time.monotonic()
+        try:
+            figures = stats.gauges(self.using)
+        except Exception as exc:  # any database trouble must not break the whole scrape
+            logger.warning("Cannot read the outbox gauges from database %r: %s", self.using, exc)
+            yield GaugeMetricFamily(DATABASE_UP, _GAUGE_HELP[DATABASE_UP], value=0)
+            return
+        elapsed = time.monotonic() - started
+        for name, value in (
+            (PENDING_EVENTS, figures.pending),
+            (DEAD_EVENTS, figures.dead),
+            (OLDEST_PENDING_AGE, figures.oldest_pending_age),
+            (DATABASE_UP, 1),
+            (SCRAPE_DURATION, elapsed),
+        ):
+            yield GaugeMetricFamily(name, _GAUGE_HELP[name], value=value)
+
+
+_collector: OutboxCollector | None = None
+_collector_lock = threading.Lock()
+
+
+def register_collector(registry: CollectorRegistry = REGISTRY) -> OutboxCollector:
+    """Register the database-gauge collector once on ``registry`` (idempotent).
+
+    Called from ``OutboxConfig.ready()``; call it yourself only for a custom registry
+    (then keep the returned collector to unregister it).
+    """
+    global _collector
+    if registry is not REGISTRY:
+        collector = OutboxCollector()
+        registry.register(collector)
+        return collector
+    with _collector_lock:
+        if _collector is None:
+            _collector = OutboxCollector()
+            REGISTRY.register(_collector)
+        return _collector
+
+
+class _ClosingRegistry:
+    """The default registry, closing this thread's database connections after a scrape.
+
+    prometheus_client's server answers each scrape in a fresh thread; Django opens one
+    connection per thread, so without this every scrape would leave a connection behind.
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            yield from REGISTRY.collect()
+        finally:
+            connections.close_all()
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        return _RestrictedClosingRegistry(REGISTRY.restricted_registry(names))
+
+
+class _RestrictedClosingRegistry:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            yield from self.inner.collect()
+        finally:
+            connections.close_all()
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve the metrics of this process on ``http://addr:port/metrics`` (daemon thread).
+
+    Used by the worker commands' ``--metrics-port``. Returns the WSGI server; call its
+    ``shutdown()`` and ``server_close()`` to stop it (tests do). Port 0 picks a free port
+    (``server.server_port`` tells which).
+    """
+    from prometheus_client import start_wsgi_server
+
+    register_collector()
+    server, _thread = start_wsgi_server(port, addr=addr, registry=_ClosingRegistry())  # type: ignore[arg-type]
+    logger.info("Serving Prometheus metrics on %s:%d/metrics", addr, server.server_port)
+    return server
