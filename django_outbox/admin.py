@@ -1,0 +1,386 @@
+"""The outbox in the Django admin: a read-only changelist, triage actions and a dashboard.
+
+Rows are never edited by hand: the relay owns them. What an operator does is triage:
+look at the dashboard (the article's three figures and its ``status x retry_count`` table),
+find the dead letters, fix the cause, then *requeue* them or *mark* hopeless PENDING rows
+DEAD. Both actions need the model's change permission; without it a user sees no actions
+and a crafted POST is refused by Django's own action validation.
+
+Requeue sets ``status=PENDING``, ``next_retry_time=now`` (database clock),
+``retry_count=0`` and clears ``lease_token``; it **keeps** ``last_error`` so the reason the
+row died stays visible until the next attempt overwrites it (on success the relay leaves it
+too, as history). Clearing the lease of a PENDING row that a relay is publishing right now
+fences that relay's settle: the row is published again, a duplicate consumers absorb.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+
+from . import stats
+from .conf import outbox_settings
+from .db import DbNow
+from .models import OutboxEvent, Status
+
+#: last_error is cut to this many characters in the changelist; the detail page shows it all.
+ERROR_PREVIEW_CHARS = 80
+
+_STATUS_COLOURS = {Status.PENDING: "#b36b00", Status.SENT: "#2e7d32", Status.DEAD: "#c62828"}
+
+
+def format_age(seconds: float) -> str:
+    """``3 d 4 h``, ``2 h 5 min``, ``4 min 12 s`` or ``9 s``: two units are enough."""
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} d {hours} h"
+    if hours:
+        return f"{hours} h {minutes} min"
+    if minutes:
+        return f"{minutes} min {secs} s"
+    return f"{secs} s"
+
+
+def health_warnings(gauges: stats.Gauges) -> list[str]:
+    """The banner lines: an old PENDING event (relay stuck?) or any dead letter."""
+    warnings = []
+    threshold = outbox_settings.ALERT_PENDING_AGE
+    if gauges.pending and gauges.oldest_pending_age > threshold:
+        warnings.append(
+            _(
+                "The oldest PENDING event has waited %(age)s, longer than %(limit)s "
+                "(OUTBOX_ALERT_PENDING_AGE): is publish_outbox running and is the broker up?"
+            )
+            % {"age": format_age(gauges.oldest_pending_age), "limit": format_age(threshold)}
+        )
+    if gauges.dead:
+        warnings.append(
+            ngettext(
+                "%(count)d dead letter is waiting for triage.",
+                "%(count)d dead letters are waiting for triage.",
+                gauges.dead,
+            )
+            % {"count": gauges.dead}
+        )
+    return warnings
+
+
+class AgeFilter(admin.SimpleListFilter):
+    """By age of the row (database clock): old PENDING rows are the ones that matter."""
+
+    title = _("age")
+    parameter_name = "age"
+    AGES = {
+        "1m": timedelta(minutes=1),
+        "10m": timedelta(minutes=10),
+        "1h": timedelta(hours=1),
+        "1d": timedelta(days=1),
+    }
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [
+            ("recent", _("created in the last hour")),
+            ("1m", _("older than 1 minute")),
+            ("10m", _("older than 10 minutes")),
+            ("1h", _("older than 1 hour")),
+            ("1d", _("older than 1 day")),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        if value == "recent":
+            return queryset.filter(created_at__gte=DbNow() - timedelta(hours=1))
+        if value in self.AGES:
+            return queryset.filter(created_at__lte=DbNow() - self.AGES[value])
+        return queryset
+
+
+@admin.register(OutboxEvent)
+class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    change_list_template = "admin/django_outbox/outboxevent/change_list.html"
+    dashboard_template = "admin/django_outbox/outboxevent/dashboard.html"
+
+    list_display = (
+        "id",
+        "event_id",
+        "event_type",
+        "aggregate",
+        "status_badge",
+        "retry_count",
+        "next_retry_time",
+        "created_at",
+        "short_error",
+    )
+    list_display_links = ("id", "event_id")
+    list_filter = ("status", "event_type", "aggregate_type", AgeFilter)
+    # Exact matches: an incident hands you an id to paste, and equality uses the indexes.
+    search_fields = ("=event_id", "=aggregate_id")
+    search_help_text = _("Exact event id or aggregate id.")
+    list_per_page = 50
+    # The changelist's COUNT(*) over a big outbox is slow and adds nothing to triage.
+    show_full_result_count = False
+    actions = ("requeue", "mark_dead")
+    fieldsets = (
+        (
+            None,
+            {
+                "fields": (
+                    "event_id",
+                    "event_type",
+                    ("aggregate_type", "aggregate_id"),
+                    "status_badge",
+                    "retry_count",
+                    "next_retry_time",
+                    "last_error_block",
+                )
+            },
+        ),
+        (_("Message"), {"fields": ("payload_pretty", "headers_pretty", "occurred_at")}),
+        (
+            _("Bookkeeping"),
+            {"fields": ("id", "lease_token", "created_at", "updated_at", "sent_at")},
+        ),
+    )
+
+    # --- read-only rows ----------------------------------------------------------------
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        names = [f.name for f in self.model._meta.fields]
+        return [*names, "status_badge", "last_error_block", "payload_pretty", "headers_pretty"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # events come from outbox.emit() inside a business transaction
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        # Bulk delete of undelivered events loses them; purge_outbox removes SENT rows.
+        actions.pop("delete_selected", None)
+        return actions
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        extra_context = {
+            **(extra_context or {}),
+            "show_save": False,
+            "show_save_and_continue": False,
+            "show_save_and_add_another": False,
+        }
+        return super().changeform_view(request, object_id, form_url, extra_context)
+
+    # --- columns -----------------------------------------------------------------------
+
+    @admin.display(description=_("aggregate"), ordering="aggregate_id")
+    def aggregate(self, obj: OutboxEvent) -> str:
+        if not obj.aggregate_type and not obj.aggregate_id:
+            return "-"
+        return f"{obj.aggregate_type}:{obj.aggregate_id}"
+
+    @admin.display(description=_("status"), ordering="status")
+    def status_badge(self, obj: OutboxEvent) -> str:
+        colour = _STATUS_COLOURS.get(Status(obj.status), "inherit")
+        return format_html(
+            '<strong class="outbox-status outbox-status-{}" style="color: {}">{}</strong>',
+            Status(obj.status).name.lower(),
+            colour,
+            obj.status_label,
+        )
+
+    @admin.display(description=_("last error"))
+    def short_error(self, obj: OutboxEvent) -> str:
+        error = " ".join(obj.last_error.split())
+        if len(error) > ERROR_PREVIEW_CHARS:
+            error = error[: ERROR_PREVIEW_CHARS - 1] + "…"
+        return error or "-"
+
+    @admin.display(description=_("last error"))
+    def last_error_block(self, obj: OutboxEvent) -> str:
+        return format_html('<pre class="outbox-pre">{}</pre>', obj.last_error or "-")
+
+    @admin.display(description=_("payload"))
+    def payload_pretty(self, obj: OutboxEvent) -> str:
+        return _pretty(obj.payload)
+
+    @admin.display(description=_("headers"))
+    def headers_pretty(self, obj: OutboxEvent) -> str:
+        return _pretty(obj.headers)
+
+    # --- actions -----------------------------------------------------------------------
+
+    @admin.action(
+        description=_("Requeue selected dead or pending events (due now, retry count reset)"),
+        permissions=["change"],
+    )
+    def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxEvent]) -> None:
+        selected = queryset.count()
+        n = (
+            queryset.order_by()
+            .filter(status__in=[Status.PENDING, Status.DEAD])
+            .update(
+                status=Status.PENDING,
+                next_retry_time=DbNow(),
+                retry_count=0,
+                lease_token="",
+                updated_at=DbNow(),
+            )
+        )
+        self.message_user(
+            request,
+            ngettext(
+                "%(count)d event requeued: it is due now and the relay will publish it.",
+                "%(count)d events requeued: they are due now and the relay will publish them.",
+                n,
+            )
+            % {"count": n},
+            messages.SUCCESS,
+        )
+        self._skipped(request, selected - n, _("already sent"))
+
+    @admin.action(description=_("Mark selected pending events as dead"), permissions=["change"])
+    def mark_dead(self, request: HttpRequest, queryset: QuerySet[OutboxEvent]) -> None:
+        selected = queryset.count()
+        n = (
+            queryset.order_by()
+            .filter(status=Status.PENDING)
+            .update(status=Status.DEAD, lease_token="", updated_at=DbNow())
+        )
+        self.message_user(
+            request,
+            ngettext(
+                "%(count)d event marked dead; the relay will not publish it.",
+                "%(count)d events marked dead; the relay will not publish them.",
+                n,
+            )
+            % {"count": n},
+            messages.SUCCESS,
+        )
+        self._skipped(request, selected - n, _("not pending"))
+
+    def _skipped(self, request: HttpRequest, n: int, why: Any) -> None:
+        if n:
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d selected event was left alone (%(why)s).",
+                    "%(count)d selected events were left alone (%(why)s).",
+                    n,
+                )
+                % {"count": n, "why": why},
+                messages.WARNING,
+            )
+
+    # --- the changelist banner and the dashboard ---------------------------------------
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        extra_context = {
+            **(extra_context or {}),
+            "outbox_warnings": health_warnings(stats.gauges(self._db())),
+            "dashboard_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard"),
+        }
+        return super().changelist_view(request, extra_context)
+
+    def get_urls(self) -> list[URLPattern]:
+        dashboard = path(
+            "dashboard/",
+            self.admin_site.admin_view(self.dashboard_view),
+            name="django_outbox_outboxevent_dashboard",
+        )
+        return [dashboard, *super().get_urls()]
+
+    def _db(self) -> str:
+        # The alias the database router sends outbox reads to.
+        return OutboxEvent.objects.all().db
+
+    def dashboard_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        snapshot = stats.collect(using=self._db())
+        retries, table = snapshot.triage_matrix()
+        changelist = reverse(f"{self.admin_site.name}:django_outbox_outboxevent_changelist")
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Outbox dashboard"),
+            "opts": self.model._meta,
+            "app_label": self.model._meta.app_label,
+            "stats": snapshot,
+            "oldest_pending_age": format_age(snapshot.oldest_pending_age),
+            "alert_pending_age": format_age(outbox_settings.ALERT_PENDING_AGE),
+            "outbox_warnings": health_warnings(snapshot.gauges),
+            "oldest_alert": bool(snapshot.pending)
+            and snapshot.oldest_pending_age > outbox_settings.ALERT_PENDING_AGE,
+            "triage_retries": retries,
+            "triage_table": table,
+            "window": format_age(snapshot.window),
+            "trend": trend_chart(snapshot),
+            "changelist_url": changelist,
+            "pending_url": f"{changelist}?status__exact={int(Status.PENDING)}",
+            "dead_url": f"{changelist}?status__exact={int(Status.DEAD)}",
+            "extra_figures": sorted(snapshot.extra.items()),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.dashboard_template, context)
+
+
+def _pretty(value: Any) -> str:
+    text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return format_html('<pre class="outbox-pre">{}</pre>', text)
+
+
+def trend_chart(
+    snapshot: stats.OutboxStats, *, width: int = 720, height: int = 180
+) -> dict[str, Any]:
+    """Coordinates of the created-vs-sent chart; the template draws them as inline SVG."""
+    left, bottom, top = 40, 22, 10
+    plot_w, plot_h = width - left - 10, height - bottom - top
+    buckets = snapshot.trend
+    peak = max([1, *(b.created for b in buckets), *(b.sent for b in buckets)])
+    step = plot_w / max(len(buckets) - 1, 1)
+
+    def points(values: list[int]) -> str:
+        return " ".join(
+            f"{left + i * step:.1f},{top + plot_h - v / peak * plot_h:.1f}"
+            for i, v in enumerate(values)
+        )
+
+    labels = []
+    for i in (0, len(buckets) // 2, len(buckets) - 1):
+        if 0 <= i < len(buckets):
+            labels.append(
+                {"x": f"{left + i * step:.1f}", "text": buckets[i].start.strftime("%H:%M")}
+            )
+    return {
+        "width": width,
+        "height": height,
+        "left": left,
+        "right": left + plot_w,
+        "top": top,
+        "baseline": top + plot_h,
+        "peak": peak,
+        "created_points": points([b.created for b in buckets]),
+        "sent_points": points([b.sent for b in buckets]),
+        "labels": labels,
+        "label_y": height - 6,
+        "created_total": sum(b.created for b in buckets),
+        "sent_total": sum(b.sent for b in buckets),
+        "bucket": format_age(snapshot.trend_bucket_seconds),
+    }
