@@ -33,26 +33,12 @@ from . import stats
 from .conf import outbox_settings
 from .db import DbNow
 from .models import OutboxEvent, Status
+from .stats import format_age
 
 #: last_error is cut to this many characters in the changelist; the detail page shows it all.
 ERROR_PREVIEW_CHARS = 80
 
 _STATUS_COLOURS = {Status.PENDING: "#b36b00", Status.SENT: "#2e7d32", Status.DEAD: "#c62828"}
-
-
-def format_age(seconds: float) -> str:
-    """``3 d 4 h``, ``2 h 5 min``, ``4 min 12 s`` or ``9 s``: two units are enough."""
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days} d {hours} h"
-    if hours:
-        return f"{hours} h {minutes} min"
-    if minutes:
-        return f"{minutes} min {secs} s"
-    return f"{secs} s"
 
 
 def health_warnings(gauges: stats.Gauges) -> list[str]:

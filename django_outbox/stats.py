@@ -155,6 +155,19 @@ class OutboxStats:
         }
 
 
+def format_age(seconds: float) -> str:
+    """``3 d 4 h``, ``2 h 5 min``, ``1 h``, ``4 min 12 s`` or ``9 s``: two units at most."""
+    seconds = int(seconds)
+    units = [("d", 86400), ("h", 3600), ("min", 60), ("s", 1)]
+    for i, (name, size) in enumerate(units[:-1]):
+        if seconds >= size:
+            big, rest = divmod(seconds, size)
+            small_name, small_size = units[i + 1]
+            small = rest // small_size
+            return f"{big} {name} {small} {small_name}" if small else f"{big} {name}"
+    return f"{seconds} s"
+
+
 def _iso(value: datetime | None) -> str | None:
     return value.astimezone(UTC).isoformat() if value is not None else None
 

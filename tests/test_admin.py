@@ -8,8 +8,8 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.urls import reverse
 
-from django_outbox.admin import format_age
 from django_outbox.models import OutboxEvent, Status
+from django_outbox.stats import format_age
 from tests.outbox_rows import make_events
 
 pytestmark = pytest.mark.django_db
@@ -216,3 +216,5 @@ def test_format_age():
     assert format_age(252) == "4 min 12 s"
     assert format_age(7500) == "2 h 5 min"
     assert format_age(3 * 86400 + 4 * 3600) == "3 d 4 h"
+    assert format_age(3600) == "1 h"
+    assert format_age(600) == "10 min"
