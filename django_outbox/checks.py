@@ -174,7 +174,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 
 
 def _check_alerts() -> list[CheckMessage]:
-    from django.utils.module_loading import import_string
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .alerts import build_channel
 
     channels = outbox_settings.ALERTS
     if not isinstance(channels, (list, tuple)):
@@ -193,10 +195,11 @@ def _check_alerts() -> list[CheckMessage]:
         elif not isinstance(entry.get("OPTIONS", {}), dict):
             problem = "'OPTIONS' must be a dict"
         else:
+            # Building a channel validates its OPTIONS and never touches the network.
             try:
-                import_string(entry["BACKEND"])
-            except ImportError as exc:
-                problem = f"{entry['BACKEND']!r} cannot be imported ({exc})"
+                build_channel(entry)
+            except ImproperlyConfigured as exc:
+                problem = str(exc).rstrip(".")
         if problem:
             errors.append(
                 Error(
