@@ -1,0 +1,102 @@
+"""manage.py purge_outbox: delete old SENT outbox rows in batches (a daily CronJob).
+
+Exit codes: 0 done (also when nothing was old enough); 2 misconfigured (retention below 3
+days without --force) or the database unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+
+from ...conf import outbox_settings
+from ...purge import RetentionTooShort, purge
+from ..options import positive_int
+
+
+def days(value: str) -> float:
+    """A positive number of days, e.g. ``7`` or ``3.5``."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of days") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 days")
+    return number
+
+
+class Command(BaseCommand):
+    help = (
+        "Delete SENT outbox rows older than the retention (OUTBOX_RETENTION_DAYS, 7) in "
+        "batches; DEAD rows only with --include-dead. PENDING rows are never deleted."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--older-than-days",
+            type=days,
+            default=None,
+            help="Retention in days (default OUTBOX_RETENTION_DAYS, 7; at least 3 without "
+            "--force).",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=None,
+            help="Rows per DELETE, each in its own transaction (default "
+            "OUTBOX_PURGE_BATCH_SIZE, 1000).",
+        )
+        parser.add_argument(
+            "--include-dead",
+            action="store_true",
+            default=None,
+            help="Also delete DEAD rows past retention (default OUTBOX_PURGE_DEAD, off): "
+            "they were never delivered.",
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Count what would go; delete nothing."
+        )
+        parser.add_argument("--force", action="store_true", help="Allow a retention below 3 days.")
+        parser.add_argument(
+            "--database", default=None, help="Database alias (default: the router's choice)."
+        )
+
+    def handle(
+        self,
+        *,
+        older_than_days: float | None,
+        batch_size: int | None,
+        include_dead: bool | None,
+        dry_run: bool,
+        force: bool,
+        database: str | None,
+        **options: Any,
+    ) -> None:
+        try:
+            result = purge(
+                older_than_days=older_than_days,
+                batch_size=batch_size,
+                include_dead=include_dead,
+                dry_run=dry_run,
+                force=force,
+                using=database,
+            )
+        except RetentionTooShort as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        except ValueError as exc:
+            raise CommandError(
+                f"{exc} Check OUTBOX_RETENTION_DAYS and OUTBOX_PURGE_BATCH_SIZE "
+                f"(now {outbox_settings.RETENTION_DAYS!r}, "
+                f"{outbox_settings.PURGE_BATCH_SIZE!r}).",
+                returncode=2,
+            ) from exc
+        except DatabaseError as exc:
+            raise CommandError(
+                f"purge_outbox: the database is unreachable or failed ({exc}); nothing more "
+                "was deleted, run it again later.",
+                returncode=2,
+            ) from exc
+        self.stdout.write(result.summary())
