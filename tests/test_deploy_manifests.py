@@ -1,4 +1,4 @@
-"""The Kubernetes files in docs/deploy/ validate against the schema offline, and say what the docs say."""
+"""docs/deploy/ manifests validate against the Kubernetes schema offline and match the docs."""
 
 from __future__ import annotations
 
