@@ -372,3 +372,36 @@ def test_get_channels_builds_the_configured_channels():
 )
 def test_mask_url_hides_tokens(url, masked):
     assert mask_url(url) == masked
+
+
+# --- end to end: the relay's DEAD rows reach the webhook ---------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_relay_pass_sends_one_webhook_for_all_its_dead_rows(hook, settings):
+    from django_outbox import outbox
+    from django_outbox.backends import locmem
+    from django_outbox.backends.base import Reason
+    from django_outbox.models import OutboxEvent, Status
+    from django_outbox.relay import Relay
+
+    settings.OUTBOX_RETRY_SCHEDULE = [1]
+    settings.OUTBOX_ALERTS = [
+        {"BACKEND": "django_outbox.alerts.WebhookChannel", "OPTIONS": {"url": refused_url()}},
+        {"BACKEND": "django_outbox.alerts.WebhookChannel", "OPTIONS": {"url": hook.url()}},
+    ]
+    with outbox.atomic() as box:
+        for i in range(3):
+            box.emit("ORDER_PAID", aggregate_type="ORDER", aggregate_id=str(i), payload={})
+    OutboxEvent.objects.update(retry_count=1)
+    locmem.fail_next.extend([Reason.NACKED] * 3)
+    result = Relay(backend=locmem.LocmemBackend()).drain()
+    assert result.dead == 3
+    assert OutboxEvent.objects.filter(status=Status.DEAD).count() == 3
+    (request,) = hook.received
+    body = request["json"]
+    assert body["count"] == 3
+    assert {d["event_id"] for d in body["dead_letters"]} == set(
+        OutboxEvent.objects.values_list("event_id", flat=True)
+    )
+    assert all(d["event_type"] == "ORDER_PAID" for d in body["dead_letters"])

@@ -145,3 +145,9 @@ def test_command_refuses_a_short_retention_setting():
 def test_bad_options_are_refused_by_argparse(args):
     with pytest.raises(CommandError, match="argument"):
         call_command("purge_outbox", *args)
+
+
+def test_command_unknown_database_exits_2():
+    with pytest.raises(CommandError, match="DATABASES") as info:
+        call_command("purge_outbox", "--database", "nope")
+    assert info.value.returncode == 2

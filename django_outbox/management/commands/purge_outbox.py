@@ -11,6 +11,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
+from django.utils.connection import ConnectionDoesNotExist
 
 from ...conf import outbox_settings
 from ...purge import RetentionTooShort, purge
@@ -92,6 +93,10 @@ class Command(BaseCommand):
                 f"(now {outbox_settings.RETENTION_DAYS!r}, "
                 f"{outbox_settings.PURGE_BATCH_SIZE!r}).",
                 returncode=2,
+            ) from exc
+        except ConnectionDoesNotExist as exc:
+            raise CommandError(
+                f"purge_outbox: {exc}; pass an alias from DATABASES.", returncode=2
             ) from exc
         except DatabaseError as exc:
             raise CommandError(
