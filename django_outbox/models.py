@@ -80,3 +80,33 @@ class OutboxEvent(models.Model):
     @property
     def status_label(self) -> str:
         return str(Status(self.status).label)
+
+
+class InboxMessage(models.Model):
+    """An event a consumer handler has processed: the inbox style of de-duplication.
+
+    The row is inserted in the handler's transaction, before ``handle()`` runs; a second
+    delivery of the same event to the same handler hits ``django_outbox_inbox_uniq``.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    handler = models.CharField(_("handler"), max_length=200)
+    source_event_id = models.CharField(_("source event id"), max_length=64)
+    event_type = models.CharField(_("event type"), max_length=128, blank=True)
+    processed_at = models.DateTimeField(_("processed at"), auto_now_add=True)
+
+    class Meta:
+        verbose_name = _("inbox message")
+        verbose_name_plural = _("inbox messages")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["handler", "source_event_id"], name="django_outbox_inbox_uniq"
+            ),
+        ]
+        indexes = [
+            # Purging old inbox rows filters on processed_at.
+            models.Index(fields=["processed_at"], name="django_outbox_inbox_at_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.handler} {self.source_event_id}"

@@ -1,0 +1,621 @@
+"""The consumer side: idempotent handlers and the loop that feeds them.
+
+A handler subclasses :class:`IdempotentHandler`, lists its ``event_types`` and implements
+``handle(event)``. :class:`Dispatcher` runs each handler in its own ``transaction.atomic()``
+and de-duplicates by a unique ``source_event_id`` committed in that same transaction, in
+one of two styles:
+
+- **business row** (``dedup_model = MyLedger``): the handler's own row carries a unique
+  ``source_event_id`` (subclass :class:`SourceEventModel`). A duplicate delivery violates
+  it, the transaction rolls back and the outcome is DUPLICATE. To tell this violation from
+  any other ``IntegrityError`` on every database, the dispatcher looks, after the rollback,
+  for a committed row with this ``source_event_id``: if there is one, the event was already
+  processed (whichever constraint fired); if not, the error is a real failure.
+- **inbox** (the default): a :class:`~django_outbox.models.InboxMessage` row
+  (handler, source_event_id) is inserted first, before ``handle()``; a duplicate fails on
+  that insert, before the handler ran, so any later ``IntegrityError`` is the handler's own.
+
+Both are insert-first: there is no check-then-insert race, and a concurrent delivery of the
+same event waits on the row lock of the first and then fails as a duplicate.
+
+:class:`Consumer` (RabbitMQ, pika) acknowledges a message only after every handler for it
+committed or reported a duplicate; ``manage.py consume_outbox`` is a thin command over it.
+:func:`process_messages` feeds locmem messages through the handlers in-process (the demo).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from django.apps import apps
+from django.db import IntegrityError, close_old_connections, models, router, transaction
+from django.utils.module_loading import import_string
+from django.utils.translation import gettext_lazy as _
+
+from .conf import outbox_settings
+from .exceptions import OutboxError
+from .message import ReceivedEvent, UndecodableMessage, decode
+
+if TYPE_CHECKING:
+    from .backends.locmem import Message
+
+logger = logging.getLogger("django_outbox.consumer")
+
+# Header a classic queue's consumer keeps its own delivery count in (quorum queues count
+# redeliveries themselves in x-delivery-count).
+DELIVERY_HEADER = "x-outbox-delivery"
+MAX_ERROR_LENGTH = 2000
+
+
+class ImproperlyConfiguredHandler(OutboxError):
+    """A handler path cannot be imported or is not an IdempotentHandler subclass."""
+
+
+class Outcome(str, enum.Enum):
+    """What became of one event in one handler (or of a message with no handler)."""
+
+    PROCESSED = "processed"  # handle() committed
+    DUPLICATE = "duplicate"  # already processed: rolled back, acknowledged
+    FAILED = "failed"  # handle() raised: rolled back, to be retried
+    UNKNOWN_TYPE = "unknown_type"  # no handler for the event type: acknowledged, logged
+    UNDECODABLE = "undecodable"  # not an outbox event: dead-lettered at once
+
+    @property
+    def acknowledge(self) -> bool:
+        return self in {Outcome.PROCESSED, Outcome.DUPLICATE, Outcome.UNKNOWN_TYPE}
+
+
+@dataclass(frozen=True)
+class HandlerResult:
+    outcome: Outcome
+    handler: str = ""
+    event_id: str = ""
+    event_type: str = ""
+    error: str = ""
+
+
+def message_outcome(results: Sequence[HandlerResult]) -> Outcome:
+    """The outcome of a message: FAILED (or UNDECODABLE) if any handler's was, else the rest."""
+    outcomes = {r.outcome for r in results}
+    for worst in (Outcome.UNDECODABLE, Outcome.FAILED, Outcome.PROCESSED, Outcome.DUPLICATE):
+        if worst in outcomes:
+            return worst
+    return Outcome.UNKNOWN_TYPE
+
+
+class SourceEventModel(models.Model):
+    """Abstract base of a business row that records the event which caused it.
+
+    ``source_event_id`` is unique: a second delivery of the event cannot write a second row.
+    Set ``dedup_model`` on the handler to this model.
+    """
+
+    source_event_id = models.CharField(
+        _("source event id"),
+        max_length=64,
+        unique=True,
+        editable=False,
+        help_text=_("event_id of the outbox event this row was written for."),
+    )
+
+    class Meta:
+        abstract = True
+
+
+class IdempotentHandler:
+    """Base class of a consumer handler; one subclass per event type (or a few).
+
+    ``handle(event)`` runs inside ``transaction.atomic()`` on the database of
+    ``dedup_model`` (or of the inbox). Raise to roll back and have the message retried.
+    """
+
+    #: Event types (the AMQP ``type``) this handler handles.
+    event_types: ClassVar[Sequence[str]] = ()
+    #: Routing keys to bind; default: the event types mapped through OUTBOX_ROUTING_KEYS.
+    routing_keys: ClassVar[Sequence[str] | None] = None
+    #: Business-row style: the model whose unique ``dedup_field`` records the event.
+    #: ``None``: inbox style (django_outbox.InboxMessage).
+    dedup_model: ClassVar[type[models.Model] | None] = None
+    dedup_field: ClassVar[str] = "source_event_id"
+    #: Stored in the inbox; defaults to the dotted path. Keep it stable once deployed.
+    name: ClassVar[str] = ""
+
+    def handle(self, event: ReceivedEvent) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement handle(event)")
+
+    @classmethod
+    def handler_name(cls) -> str:
+        return cls.name or f"{cls.__module__}.{cls.__qualname__}"
+
+    @classmethod
+    def bindings(cls) -> list[str]:
+        if cls.routing_keys is not None:
+            return list(cls.routing_keys)
+        mapping = outbox_settings.ROUTING_KEYS
+        return [mapping.get(t, t) for t in cls.event_types]
+
+    def database(self) -> str:
+        model = self.dedup_model
+        if model is None:
+            from .models import InboxMessage
+
+            model = InboxMessage
+        return router.db_for_write(model)
+
+    def run(self, event: ReceivedEvent) -> HandlerResult:
+        """Handle the event once, idempotently; never raises for a handler failure."""
+        name = self.handler_name()
+        using = self.database()
+        result = {"handler": name, "event_id": event.event_id, "event_type": event.event_type}
+        try:
+            with transaction.atomic(using=using):
+                if self.dedup_model is None:
+                    from .models import InboxMessage
+
+                    try:
+                        # Its own savepoint: an IntegrityError here can only be the inbox's.
+                        with transaction.atomic(using=using):
+                            InboxMessage.objects.using(using).create(
+                                handler=name,
+                                source_event_id=event.event_id,
+                                event_type=event.event_type,
+                            )
+                    except IntegrityError:
+                        raise _Duplicate() from None
+                self.handle(event)
+        except _Duplicate:
+            return HandlerResult(Outcome.DUPLICATE, **result)
+        except IntegrityError as exc:
+            if self.dedup_model is not None and self._already_recorded(event, using):
+                return HandlerResult(Outcome.DUPLICATE, **result)
+            return self._failed(event, exc, result)
+        except Exception as exc:
+            return self._failed(event, exc, result)
+        return HandlerResult(Outcome.PROCESSED, **result)
+
+    def _already_recorded(self, event: ReceivedEvent, using: str) -> bool:
+        # After the rollback: a committed row for this event means the violation was ours
+        # (or, if another constraint fired, that the event was processed anyway).
+        assert self.dedup_model is not None
+        manager = self.dedup_model._default_manager.using(using)
+        return bool(manager.filter(**{self.dedup_field: event.event_id}).exists())
+
+    def _failed(
+        self, event: ReceivedEvent, exc: Exception, result: dict[str, str]
+    ) -> HandlerResult:
+        logger.exception(
+            "handler %s failed on %s %s (attempt %s); rolled back",
+            result["handler"],
+            event.event_type,
+            event.event_id,
+            event.attempt,
+        )
+        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
+        return HandlerResult(Outcome.FAILED, error=error, **result)
+
+
+class _Duplicate(Exception):
+    """Raised inside the atomic block so that it rolls back."""
+
+
+def load_handler(path: str | type[IdempotentHandler]) -> type[IdempotentHandler]:
+    try:
+        cls = import_string(path) if isinstance(path, str) else path
+    except ImportError as exc:
+        raise ImproperlyConfiguredHandler(
+            f"Handler {path!r} cannot be imported ({exc}); check OUTBOX_CONSUMER_HANDLERS "
+            "or --handler (a dotted path to an IdempotentHandler subclass)."
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, IdempotentHandler)):
+        raise ImproperlyConfiguredHandler(
+            f"Handler {path!r} is not a subclass of django_outbox.consumer.IdempotentHandler."
+        )
+    if not cls.event_types:
+        raise ImproperlyConfiguredHandler(f"Handler {path!r} has no event_types.")
+    return cls
+
+
+def discover_handlers() -> list[type[IdempotentHandler]]:
+    """IdempotentHandler subclasses defined in the ``handlers`` module of installed apps."""
+    import importlib
+    import importlib.util
+
+    found = []
+    for config in apps.get_app_configs():
+        module_name = f"{config.name}.handlers"
+        try:
+            if importlib.util.find_spec(module_name) is None:
+                continue
+        except ModuleNotFoundError:
+            continue
+        module = importlib.import_module(module_name)
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, IdempotentHandler)
+                and value.__module__ == module_name
+                and value.event_types
+            ):
+                found.append(value)
+    return found
+
+
+def get_handlers(
+    paths: Iterable[str | type[IdempotentHandler]] | None = None,
+) -> list[type[IdempotentHandler]]:
+    """The given handlers, else OUTBOX_CONSUMER_HANDLERS, else the discovered ones."""
+    chosen = list(paths or []) or list(outbox_settings.CONSUMER_HANDLERS)
+    if chosen:
+        return [load_handler(p) for p in chosen]
+    return discover_handlers()
+
+
+class Dispatcher:
+    """Routes a received event to its handlers and runs each one idempotently."""
+
+    def __init__(self, *, handlers: Iterable[str | type[IdempotentHandler]] | None = None) -> None:
+        self.handler_classes = get_handlers(handlers)
+        self.handlers = [cls() for cls in self.handler_classes]
+        self._warned_types: set[str] = set()
+
+    def handlers_for(self, event_type: str) -> list[IdempotentHandler]:
+        return [h for h in self.handlers if event_type in h.event_types]
+
+    def routing_keys(self) -> list[str]:
+        keys: list[str] = []
+        for cls in self.handler_classes:
+            keys.extend(k for k in cls.bindings() if k not in keys)
+        return keys
+
+    def process(self, event: ReceivedEvent) -> list[HandlerResult]:
+        handlers = self.handlers_for(event.event_type)
+        if not handlers:
+            if event.event_type not in self._warned_types:
+                self._warned_types.add(event.event_type)
+                logger.warning(
+                    "no handler for event type %s (event %s); acknowledged and ignored",
+                    event.event_type,
+                    event.event_id,
+                )
+            return [HandlerResult(Outcome.UNKNOWN_TYPE, "", event.event_id, event.event_type)]
+        results = []
+        for handler in handlers:
+            result = handler.run(event)
+            log = logger.info if result.outcome is Outcome.DUPLICATE else logger.debug
+            log(
+                "%s %s %s: %s",
+                result.handler,
+                event.event_type,
+                event.event_id,
+                result.outcome.value,
+            )
+            results.append(result)
+        return results
+
+    def process_message(
+        self,
+        body: bytes,
+        *,
+        message_id: str | None,
+        message_type: str | None,
+        headers: Mapping[str, Any] | None,
+        redelivered: bool = False,
+    ) -> list[HandlerResult]:
+        try:
+            event = decode(
+                body,
+                message_id=message_id,
+                message_type=message_type,
+                headers=headers,
+                redelivered=redelivered,
+            )
+        except UndecodableMessage as exc:
+            logger.error("undecodable message %s: %s", message_id, exc)
+            return [
+                HandlerResult(
+                    Outcome.UNDECODABLE, "", message_id or "", message_type or "", str(exc)
+                )
+            ]
+        return self.process(event)
+
+
+@dataclass
+class ConsumeResult:
+    """Totals of a consumer run, per message (not per handler)."""
+
+    messages: int = 0
+    counts: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
+    dead_lettered: int = 0
+
+    def add(self, outcome: Outcome) -> None:
+        self.messages += 1
+        self.counts[outcome] += 1
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{o.value} {n}" for o, n in self.counts.items() if n)
+        tail = f", dead-lettered {self.dead_lettered}" if self.dead_lettered else ""
+        return f"{self.messages} message(s): {parts or 'none'}{tail}"
+
+
+def process_messages(
+    messages: Iterable[Message], *, dispatcher: Dispatcher | None = None
+) -> list[list[HandlerResult]]:
+    """Feed locmem messages (``django_outbox.backends.locmem.outbox``) through the handlers.
+
+    The in-process consumer of the demo and of tests: one list of results per message.
+    """
+    dispatcher = dispatcher or Dispatcher()
+    return [
+        dispatcher.process_message(
+            m.body, message_id=m.message_id, message_type=m.type, headers=m.headers
+        )
+        for m in messages
+    ]
+
+
+# --- RabbitMQ -------------------------------------------------------------------------------
+
+
+def dead_letter_queue_name(queue: str) -> str:
+    return f"{queue}.dlq"
+
+
+def default_queue_name() -> str:
+    return outbox_settings.CONSUMER_QUEUE or "outbox.consumer"
+
+
+def queue_arguments(queue: str, *, queue_type: str, max_retries: int) -> dict[str, Any]:
+    """Arguments of the consumer queue: dead-letter to ``<queue>.dlq`` via the default exchange."""
+    arguments: dict[str, Any] = {
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": dead_letter_queue_name(queue),
+    }
+    if queue_type == "quorum":
+        # The broker counts redeliveries and dead-letters past the limit: a consumer that
+        # crashes on a message (and so never nacks it) cannot loop on it forever either.
+        arguments.update({"x-queue-type": "quorum", "x-delivery-limit": max_retries})
+    elif queue_type != "classic":
+        raise ImproperlyConfiguredHandler(
+            f"OUTBOX_CONSUMER_QUEUE_TYPE is {queue_type!r}; use 'quorum' or 'classic'."
+        )
+    return arguments
+
+
+class Consumer:
+    """Reads a durable queue bound to the outbox exchange and runs the handlers.
+
+    One message at a time, in delivery order, within a prefetch window. A message is
+    acknowledged only after its handlers committed (or were duplicates). A failure is
+    retried ``max_retries`` times, then dead-lettered; an undecodable message at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        handlers: Iterable[str | type[IdempotentHandler]] | None = None,
+        url: str | None = None,
+        queue: str | None = None,
+        exchange: str | None = None,
+        exchange_type: str | None = None,
+        prefetch: int | None = None,
+        max_retries: int | None = None,
+        queue_type: str | None = None,
+        retry_delay: float = 1.0,
+        reconnect_max: float = 30.0,
+        idle_timeout: float = 1.0,
+    ) -> None:
+        self.dispatcher = Dispatcher(handlers=handlers)
+        self.url = url or outbox_settings.BROKER_URL
+        if not self.url:
+            raise ImproperlyConfiguredHandler(
+                "OUTBOX_BROKER_URL is empty; set it to the AMQP URL of RabbitMQ, e.g. "
+                "amqp://user:password@rabbitmq:5672/%2F."
+            )
+        self.queue = queue or default_queue_name()
+        self.dead_letter_queue = dead_letter_queue_name(self.queue)
+        self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange
+        self.exchange_type = exchange_type or outbox_settings.EXCHANGE_TYPE
+        self.prefetch = prefetch or outbox_settings.CONSUMER_PREFETCH
+        self.max_retries = (
+            outbox_settings.CONSUMER_MAX_RETRIES if max_retries is None else max_retries
+        )
+        self.queue_type = queue_type or outbox_settings.CONSUMER_QUEUE_TYPE
+        self.arguments = queue_arguments(
+            self.queue, queue_type=self.queue_type, max_retries=self.max_retries
+        )
+        self.retry_delay = retry_delay
+        self.reconnect_max = reconnect_max
+        self.idle_timeout = idle_timeout
+        self._connection: Any = None
+        self._channel: Any = None
+
+    # -- connection --------------------------------------------------------------------------
+    def connect(self) -> None:
+        import pika
+
+        params = pika.URLParameters(self.url)
+        self._connection = pika.BlockingConnection(params)
+        channel = self._connection.channel()
+        channel.confirm_delivery()  # classic-queue requeues are published: confirm them
+        if not outbox_settings.EXCHANGE_PASSIVE and self.exchange:
+            channel.exchange_declare(self.exchange, self.exchange_type, durable=True)
+        dlq_args = {"x-queue-type": "quorum"} if self.queue_type == "quorum" else {}
+        channel.queue_declare(self.dead_letter_queue, durable=True, arguments=dlq_args)
+        channel.queue_declare(self.queue, durable=True, arguments=self.arguments)
+        for key in self.dispatcher.routing_keys():
+            channel.queue_bind(self.queue, self.exchange, routing_key=key)
+        channel.basic_qos(prefetch_count=self.prefetch)
+        self._channel = channel
+        logger.info(
+            "consuming %s (%s, dead letters to %s) bound to %s on exchange %s",
+            self.queue,
+            self.queue_type,
+            self.dead_letter_queue,
+            self.dispatcher.routing_keys(),
+            self.exchange,
+        )
+
+    def close(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            try:
+                connection.close()
+            except Exception:  # already broken: unacked messages are requeued anyway
+                logger.debug("error closing the consumer connection", exc_info=True)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(
+        self,
+        *,
+        stop: threading.Event | None = None,
+        max_messages: int | None = None,
+        until_idle: bool = False,
+    ) -> ConsumeResult:
+        """Consume until ``stop`` is set, ``max_messages`` were handled, or (``until_idle``)
+        the queue stayed empty for ``idle_timeout`` seconds. Reconnects after a lost
+        connection, with a growing pause."""
+        import pika.exceptions
+
+        stop = stop or threading.Event()
+        result = ConsumeResult()
+        pause = 0.5
+        while not stop.is_set():
+            try:
+                if self._channel is None:
+                    self.connect()
+                    pause = 0.5
+                if self._consume(stop, result, max_messages, until_idle):
+                    break
+            except pika.exceptions.AMQPError as exc:
+                self.close()
+                if stop.is_set():
+                    break
+                logger.warning(
+                    "broker connection lost (%s: %s); reconnecting in %.1fs",
+                    type(exc).__name__,
+                    exc,
+                    pause,
+                )
+                stop.wait(pause)
+                pause = min(pause * 2, self.reconnect_max)
+        self.close()
+        return result
+
+    def _consume(
+        self,
+        stop: threading.Event,
+        result: ConsumeResult,
+        max_messages: int | None,
+        until_idle: bool,
+    ) -> bool:
+        """Consume on the open channel; True when the run is over."""
+        channel = self._channel
+        try:
+            for method, properties, body in channel.consume(
+                self.queue, inactivity_timeout=self.idle_timeout
+            ):
+                if method is None:
+                    if until_idle or stop.is_set():
+                        return True
+                    continue
+                close_old_connections()
+                try:
+                    outcome = self.handle_delivery(channel, method, properties, body)
+                finally:
+                    close_old_connections()
+                result.add(outcome)
+                if outcome is Outcome.UNDECODABLE or (
+                    outcome is Outcome.FAILED and self._dead_lettered_last
+                ):
+                    result.dead_lettered += 1
+                if stop.is_set() or (max_messages and result.messages >= max_messages):
+                    return True
+        finally:
+            if channel.is_open:
+                # Hand prefetched, unacknowledged messages back to the queue.
+                channel.cancel()
+        return True
+
+    _dead_lettered_last = False
+
+    def handle_delivery(self, channel: Any, method: Any, properties: Any, body: bytes) -> Outcome:
+        """Process one delivery and settle it with the broker (ack, requeue or dead-letter)."""
+        self._dead_lettered_last = False
+        headers = dict(properties.headers or {})
+        results = self.dispatcher.process_message(
+            body,
+            message_id=properties.message_id,
+            message_type=properties.type,
+            headers=headers,
+            redelivered=method.redelivered,
+        )
+        outcome = message_outcome(results)
+        if outcome.acknowledge:
+            channel.basic_ack(method.delivery_tag)
+        elif outcome is Outcome.UNDECODABLE:
+            channel.basic_reject(method.delivery_tag, requeue=False)
+            self._dead_lettered_last = True
+        else:
+            self._retry(channel, method, properties, body, headers, results)
+        return outcome
+
+    def _retry(
+        self,
+        channel: Any,
+        method: Any,
+        properties: Any,
+        body: bytes,
+        headers: dict[str, Any],
+        results: Sequence[HandlerResult],
+    ) -> None:
+        if self.queue_type == "quorum":
+            delivery = int(headers.get("x-delivery-count") or 0) + 1
+        else:
+            delivery = int(headers.get(DELIVERY_HEADER) or 1)
+        error = next((r.error for r in results if r.error), "")
+        if delivery > self.max_retries:
+            logger.error(
+                "message %s failed %s time(s); dead-lettered to %s: %s",
+                properties.message_id,
+                delivery,
+                self.dead_letter_queue,
+                error,
+            )
+            self._dead_lettered_last = True
+            # Through the queue's dead-letter exchange (a quorum queue would do the same on
+            # the next return; no need to wait for it).
+            channel.basic_reject(method.delivery_tag, requeue=False)
+            return
+        logger.warning(
+            "message %s failed (delivery %s of %s); retrying: %s",
+            properties.message_id,
+            delivery,
+            self.max_retries + 1,
+            error,
+        )
+        if self.retry_delay:
+            # Keep the connection serviced (heartbeats) while waiting.
+            self._connection.sleep(min(self.retry_delay * delivery, 30.0))
+        if self.queue_type == "quorum":
+            channel.basic_nack(method.delivery_tag, requeue=True)
+            return
+        # Classic queues do not count redeliveries: publish a copy with the count, then ack
+        # the original (confirmed first, so the message is never lost in between).
+        import pika
+
+        copy_headers = {**headers, DELIVERY_HEADER: delivery + 1}
+        props = pika.BasicProperties(
+            content_type=properties.content_type,
+            delivery_mode=2,
+            message_id=properties.message_id,
+            type=properties.type,
+            timestamp=properties.timestamp,
+            headers=copy_headers,
+        )
+        channel.basic_publish("", self.queue, body, props, mandatory=True)
+        channel.basic_ack(method.delivery_tag)

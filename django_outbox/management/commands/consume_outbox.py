@@ -1,0 +1,153 @@
+"""manage.py consume_outbox: run the IdempotentHandlers over a RabbitMQ queue."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ...alerts import mask_url
+from ...conf import outbox_settings
+from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
+from ...relay import relay_signals
+from ..options import duration, non_negative_int, positive_int
+
+VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
+
+
+def queue_type(value: str) -> str:
+    import argparse
+
+    if value not in {"quorum", "classic"}:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a queue type; use quorum or classic")
+    return value
+
+
+def non_negative_duration(value: str) -> float:
+    return 0.0 if value.strip() in {"0", "0s"} else duration(value)
+
+
+class Command(BaseCommand):
+    help = (
+        "Consume outbox events from RabbitMQ and run the IdempotentHandlers, acknowledging "
+        "each message only after its handler's transaction committed. Runs until "
+        "SIGTERM/SIGINT (the message in hand is finished; a second signal exits 1)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--queue",
+            default=None,
+            help="Queue to declare and read (default OUTBOX_CONSUMER_QUEUE).",
+        )
+        parser.add_argument(
+            "--prefetch",
+            type=positive_int,
+            default=None,
+            help="Unacknowledged messages held at once (default OUTBOX_CONSUMER_PREFETCH).",
+        )
+        parser.add_argument(
+            "--handler",
+            action="append",
+            dest="handlers",
+            default=None,
+            metavar="DOTTED.PATH",
+            help="Run this handler (repeatable); default OUTBOX_CONSUMER_HANDLERS or the "
+            "IdempotentHandler subclasses in each installed app's handlers module.",
+        )
+        parser.add_argument(
+            "--max-retries",
+            type=non_negative_int,
+            default=None,
+            help="Retries of a failing message before the dead-letter queue "
+            "(default OUTBOX_CONSUMER_MAX_RETRIES).",
+        )
+        parser.add_argument(
+            "--queue-type",
+            type=queue_type,
+            default=None,
+            help="quorum or classic (default OUTBOX_CONSUMER_QUEUE_TYPE).",
+        )
+        parser.add_argument(
+            "--retry-delay",
+            type=non_negative_duration,
+            default=1.0,
+            help="Pause before a failed message is retried, times its delivery number "
+            "(default 1s; 0 for none).",
+        )
+        parser.add_argument(
+            "--max-messages",
+            type=positive_int,
+            default=None,
+            help="Exit after this many messages (tests, one-off catch-up).",
+        )
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            help="Exit as soon as the queue has been empty for a second.",
+        )
+        parser.add_argument(
+            "--list", action="store_true", help="List the handlers and their bindings, then exit."
+        )
+
+    def handle(
+        self,
+        *,
+        queue: str | None,
+        prefetch: int | None,
+        handlers: list[str] | None,
+        max_retries: int | None,
+        queue_type: str | None,
+        retry_delay: float,
+        max_messages: int | None,
+        once: bool,
+        list: bool,
+        verbosity: int,
+        **options: Any,
+    ) -> None:
+        logging.getLogger("django_outbox").setLevel(VERBOSITY_LEVELS.get(verbosity, logging.INFO))
+        if list:
+            try:
+                classes = get_handlers(handlers)
+            except ImproperlyConfiguredHandler as exc:
+                raise CommandError(str(exc), returncode=2) from exc
+            if not classes:
+                self.stdout.write("No handlers: set OUTBOX_CONSUMER_HANDLERS or add handlers.py")
+            for cls in classes:
+                style = (
+                    f"dedup by {cls.dedup_model._meta.label}.{cls.dedup_field}"
+                    if cls.dedup_model is not None
+                    else "dedup by inbox"
+                )
+                self.stdout.write(
+                    f"{cls.handler_name()}: {', '.join(cls.event_types)} "
+                    f"(binds {', '.join(cls.bindings())}; {style})"
+                )
+            return
+        try:
+            consumer = Consumer(
+                handlers=handlers,
+                queue=queue,
+                prefetch=prefetch,
+                max_retries=max_retries,
+                queue_type=queue_type,
+                retry_delay=retry_delay,
+            )
+        except ImproperlyConfiguredHandler as exc:
+            raise CommandError(str(exc), returncode=2) from exc
+        if not consumer.dispatcher.handlers:
+            raise CommandError(
+                "No handlers to run: set OUTBOX_CONSUMER_HANDLERS, pass --handler, or define "
+                "IdempotentHandler subclasses in an installed app's handlers.py.",
+                returncode=2,
+            )
+        if verbosity >= 1:
+            self.stderr.write(
+                f"consume_outbox: {consumer.queue} on {mask_url(outbox_settings.BROKER_URL)}"
+            )
+        stop = threading.Event()
+        with relay_signals(stop, lambda msg: self.stderr.write(msg)):
+            result = consumer.run(stop=stop, max_messages=max_messages, until_idle=once)
+        self.stdout.write(f"consume_outbox stopped: {result.summary()}")

@@ -1,0 +1,59 @@
+"""Handlers used by the consumer tests (passed with --handler / handlers=)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from django_outbox.consumer import IdempotentHandler
+from points.handlers import AwardPointsHandler
+from points.models import PointsLedger
+
+
+class InboxPointsHandler(IdempotentHandler):
+    """Inbox style: writes a ledger row but de-duplicates through the inbox table."""
+
+    event_types = ["ORDER_CREATED"]
+    name = "tests.inbox_points"
+
+    def handle(self, event):
+        PointsLedger.objects.create(
+            source_event_id=f"inbox-{event.event_id}", user_id=1, order_number="x", points=1
+        )
+
+
+class FailingHandler(AwardPointsHandler):
+    """Writes its ledger row, then raises: the row must be rolled back."""
+
+    name = "tests.failing"
+
+    def handle(self, event):
+        super().handle(event)
+        raise RuntimeError("boom after the write")
+
+
+class NegativePointsHandler(IdempotentHandler):
+    """Violates the ledger's check constraint: a real failure, not a duplicate."""
+
+    event_types = ["ORDER_CREATED"]
+    dedup_model = PointsLedger
+    name = "tests.negative"
+
+    def handle(self, event):
+        PointsLedger.objects.create(
+            source_event_id=event.event_id, user_id=1, order_number="x", points=-1
+        )
+
+
+class BlockingPointsHandler(AwardPointsHandler):
+    """Writes the row, announces it in a file, then waits: the test kills the process."""
+
+    name = "points.award"
+
+    def handle(self, event):
+        super().handle(event)
+        marker = Path(os.environ["H3_BLOCK_FILE"])
+        marker.write_text(event.event_id)
+        while marker.exists():
+            time.sleep(0.05)

@@ -1,0 +1,101 @@
+"""IdempotentHandler and the dispatcher, in-process, on the test database."""
+
+from __future__ import annotations
+
+import pytest
+
+from django_outbox.backends import locmem
+from django_outbox.consumer import (
+    Dispatcher,
+    ImproperlyConfiguredHandler,
+    Outcome,
+    get_handlers,
+    process_messages,
+)
+from django_outbox.message import decode, encode_body, encode_headers
+from django_outbox.models import InboxMessage
+from django_outbox.testing import relay_now
+from orders.services import create_order
+from points.handlers import AwardPointsHandler
+from points.models import PointsLedger
+from tests.consumer_utils import make_event
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def received(event):
+    return decode(
+        encode_body(event),
+        message_id=event.event_id,
+        message_type=event.event_type,
+        headers=encode_headers(event),
+    )
+
+
+def test_business_row_style_same_event_twice_gives_one_row():
+    dispatcher = Dispatcher(handlers=[AwardPointsHandler])
+    event = received(make_event())
+    first = dispatcher.process(event)
+    second = dispatcher.process(event)
+    assert [r.outcome for r in first] == [Outcome.PROCESSED]
+    assert [r.outcome for r in second] == [Outcome.DUPLICATE]
+    row = PointsLedger.objects.get()
+    assert (row.source_event_id, row.points, row.user_id) == (event.event_id, 12, 7)
+
+
+def test_inbox_style_same_event_twice_gives_one_row():
+    dispatcher = Dispatcher(handlers=["tests.consumer_handlers.InboxPointsHandler"])
+    event = received(make_event())
+    assert dispatcher.process(event)[0].outcome is Outcome.PROCESSED
+    assert dispatcher.process(event)[0].outcome is Outcome.DUPLICATE
+    assert PointsLedger.objects.count() == 1
+    inbox = InboxMessage.objects.get()
+    assert (inbox.handler, inbox.source_event_id) == ("tests.inbox_points", event.event_id)
+
+
+def test_other_integrity_error_is_a_failure_not_a_duplicate():
+    dispatcher = Dispatcher(handlers=["tests.consumer_handlers.NegativePointsHandler"])
+    [result] = dispatcher.process(received(make_event()))
+    assert result.outcome is Outcome.FAILED
+    assert "IntegrityError" in result.error
+    assert PointsLedger.objects.count() == 0
+
+
+def test_handler_exception_rolls_back_its_writes():
+    dispatcher = Dispatcher(handlers=["tests.consumer_handlers.FailingHandler"])
+    [result] = dispatcher.process(received(make_event()))
+    assert result.outcome is Outcome.FAILED
+    assert "boom" in result.error
+    assert PointsLedger.objects.count() == 0
+
+
+def test_unknown_type_and_undecodable():
+    dispatcher = Dispatcher(handlers=[AwardPointsHandler])
+    [unknown] = dispatcher.process(received(make_event("ORDER_CANCELLED")))
+    assert unknown.outcome is Outcome.UNKNOWN_TYPE
+    [bad] = dispatcher.process_message(
+        b"not json", message_id="m1", message_type="ORDER_CREATED", headers={}
+    )
+    assert bad.outcome is Outcome.UNDECODABLE
+
+
+def test_locmem_end_to_end_with_duplicates():
+    """The demo's in-process path: outbox -> relay (locmem) -> handlers."""
+    for i in range(5):
+        create_order(user_id=i, amount=10 + i)
+    relay_now()
+    messages = list(locmem.outbox)
+    assert len(messages) == 5
+    outcomes = process_messages([*messages, *messages[:2]], dispatcher=Dispatcher())
+    flat = [r.outcome for results in outcomes for r in results]
+    assert flat.count(Outcome.PROCESSED) == 5
+    assert flat.count(Outcome.DUPLICATE) == 2
+    assert PointsLedger.objects.count() == 5
+
+
+def test_handlers_are_discovered_and_paths_checked():
+    assert AwardPointsHandler in get_handlers()
+    with pytest.raises(ImproperlyConfiguredHandler, match="cannot be imported"):
+        get_handlers(["nope.Handler"])
+    with pytest.raises(ImproperlyConfiguredHandler, match="not a subclass"):
+        get_handlers(["points.models.PointsLedger"])
