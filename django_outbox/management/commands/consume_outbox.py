@@ -43,6 +43,9 @@ class Command(BaseCommand):
             help="Queue to declare and read (default OUTBOX_CONSUMER_QUEUE).",
         )
         parser.add_argument(
+            "--exchange", default=None, help="Exchange to bind to (default OUTBOX_EXCHANGE)."
+        )
+        parser.add_argument(
             "--prefetch",
             type=positive_int,
             default=None,
@@ -96,6 +99,7 @@ class Command(BaseCommand):
         self,
         *,
         queue: str | None,
+        exchange: str | None,
         prefetch: int | None,
         handlers: list[str] | None,
         max_retries: int | None,
@@ -130,6 +134,7 @@ class Command(BaseCommand):
             consumer = Consumer(
                 handlers=handlers,
                 queue=queue,
+                exchange=exchange,
                 prefetch=prefetch,
                 max_retries=max_retries,
                 queue_type=queue_type,

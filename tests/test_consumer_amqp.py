@@ -1,0 +1,175 @@
+"""The consumer against a real RabbitMQ and the test database."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+
+import pika
+import pytest
+
+from django_outbox.consumer import Consumer, Outcome
+from points.models import PointsLedger
+from tests.consumer_utils import make_event, private_broker
+from tests.utils.subprocess import django_env, manage_command
+
+pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
+
+AWARD = "points.handlers.AwardPointsHandler"
+
+
+@pytest.fixture
+def broker(amqp_url):
+    with private_broker(amqp_url) as broker:
+        yield broker
+
+
+def make_consumer(broker, handlers=(AWARD,), **options):
+    options.setdefault("retry_delay", 0)
+    consumer = Consumer(
+        handlers=list(handlers),
+        url=broker.url,
+        queue=broker.queue,
+        exchange=broker.exchange,
+        idle_timeout=0.5,
+        **options,
+    )
+    consumer.connect()  # declares the queue, its dead-letter queue and the bindings
+    return consumer
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_same_message_twice_one_row_two_acks(broker):
+    consumer = make_consumer(broker)
+    event = make_event()
+    broker.publish(event)
+    broker.publish(event)
+    result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.PROCESSED] == 1
+    assert result.counts[Outcome.DUPLICATE] == 1
+    assert PointsLedger.objects.filter(source_event_id=event.event_id).count() == 1
+    assert broker.count(broker.queue) == 0
+    assert broker.count(broker.dlq) == 0
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_type):
+    consumer = make_consumer(
+        broker,
+        handlers=["tests.consumer_handlers.FailingHandler"],
+        queue_type=queue_type,
+        max_retries=2,
+    )
+    event = make_event()
+    broker.publish(event)
+    result = consumer.run(until_idle=True)
+    # 1 delivery + 2 retries, each rolled back; then the dead-letter queue.
+    assert result.counts[Outcome.FAILED] == 3
+    assert result.dead_lettered == 1
+    assert PointsLedger.objects.count() == 0
+    assert wait_for(lambda: broker.count(broker.dlq) == 1)
+    _method, props, _body = broker.get(broker.dlq)
+    assert props.message_id == event.event_id
+    assert broker.count(broker.queue) == 0
+
+
+def test_failure_then_success_on_redelivery(broker):
+    consumer = make_consumer(broker, handlers=["tests.consumer_handlers.FailingHandler"])
+    event = make_event()
+    broker.publish(event)
+    result = consumer.run(max_messages=1)
+    assert result.counts[Outcome.FAILED] == 1
+    assert PointsLedger.objects.count() == 0
+    # The message came back; a fixed handler processes it.
+    result = make_consumer(broker).run(until_idle=True)
+    assert result.counts[Outcome.PROCESSED] == 1
+    assert PointsLedger.objects.get().source_event_id == event.event_id
+
+
+def test_undecodable_goes_to_the_dead_letter_queue_at_once(broker):
+    consumer = make_consumer(broker, max_retries=5)
+    broker.publish_raw(
+        b"\xff not json",
+        pika.BasicProperties(message_id="bad-1", type="ORDER_CREATED", delivery_mode=2),
+        "ORDER_CREATED",
+    )
+    broker.publish_raw(b"{}", pika.BasicProperties(delivery_mode=2), "ORDER_CREATED")
+    result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.UNDECODABLE] == 2
+    assert wait_for(lambda: broker.count(broker.dlq) == 2)
+
+
+def test_unknown_event_type_is_acked(broker):
+    consumer = make_consumer(broker)
+    broker.publish(make_event("ORDER_SHIPPED"), routing_key="ORDER_CREATED")
+    result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.UNKNOWN_TYPE] == 1
+    assert broker.count(broker.queue) == 0
+    assert broker.count(broker.dlq) == 0
+
+
+@pytest.mark.slow
+def test_thousand_events_with_redeliveries_exactly_once(broker, db_vendor):
+    if db_vendor == "sqlite":
+        pytest.skip("two concurrent consumers need PostgreSQL or MariaDB")
+    make_consumer(broker).close()
+    events = [make_event(pk=i) for i in range(1, 1001)]
+    for event in events:
+        broker.publish(event)
+    for event in events[::5]:  # 200 injected redeliveries
+        broker.publish(event)
+    results = []
+
+    def consume():
+        results.append(make_consumer(broker, prefetch=20).run(until_idle=True))
+
+    threads = [threading.Thread(target=consume) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert PointsLedger.objects.count() == 1000
+    assert sum(r.messages for r in results) == 1200
+    assert sum(r.counts[Outcome.DUPLICATE] for r in results) == 200
+    assert sum(r.counts[Outcome.FAILED] for r in results) == 0
+    assert broker.count(broker.queue) == 0
+
+
+def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_path):
+    """kill -9 while the handler's row is written but not committed: nothing is acked."""
+    make_consumer(broker).close()
+    marker = tmp_path / "blocked"
+    env = django_env(AMQP_URL=broker.url, H3_BLOCK_FILE=str(marker))
+    command = manage_command(
+        "consume_outbox",
+        "--queue",
+        broker.queue,
+        "--exchange",
+        broker.exchange,
+        "--handler",
+        "tests.consumer_handlers.BlockingPointsHandler",
+    )
+    event = make_event()
+    broker.publish(event)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(marker.exists, timeout=60), child.stderr.read1().decode()
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert PointsLedger.objects.count() == 0
+    result = make_consumer(broker).run(until_idle=True)
+    assert result.counts[Outcome.PROCESSED] == 1
+    assert PointsLedger.objects.get().source_event_id == event.event_id
