@@ -173,3 +173,48 @@ def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_pat
     result = make_consumer(broker).run(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
     assert PointsLedger.objects.get().source_event_id == event.event_id
+
+
+def test_sigterm_finishes_the_message_in_hand_then_exits_0(broker, tmp_path):
+    make_consumer(broker).close()
+    marker = tmp_path / "blocked"
+    env = django_env(AMQP_URL=broker.url, H3_BLOCK_FILE=str(marker))
+    command = manage_command(
+        "consume_outbox",
+        "--queue",
+        broker.queue,
+        "--exchange",
+        broker.exchange,
+        "--handler",
+        "tests.consumer_handlers.BlockingPointsHandler",
+    )
+    first, second = make_event(pk=1), make_event(pk=2)
+    broker.publish(first)
+    broker.publish(second)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_for(marker.exists, timeout=60), child.stderr.read1().decode()
+        child.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        marker.unlink()  # let the handler return: it commits, acks, and the loop stops
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, err.decode()
+    assert b"processed 1" in out
+    assert list(PointsLedger.objects.values_list("source_event_id", flat=True)) == [first.event_id]
+    # The prefetched second message went back to the queue.
+    assert wait_for(lambda: broker.count(broker.queue) == 1)
+
+
+def test_list_shows_handlers_and_bindings():
+    env = django_env()
+    out = subprocess.run(
+        manage_command("consume_outbox", "--list"),
+        env=env,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout.decode()
+    assert "points.award: ORDER_CREATED (binds ORDER_CREATED; dedup by points.PointsLedger" in out
