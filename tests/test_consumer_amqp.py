@@ -218,3 +218,35 @@ def test_list_shows_handlers_and_bindings():
         timeout=60,
     ).stdout.decode()
     assert "points.award: ORDER_CREATED (binds ORDER_CREATED; dedup by points.PointsLedger" in out
+
+
+def test_reconnects_after_the_connection_is_lost(broker):
+    from tests.utils.proxy import TcpProxy
+
+    proxy, url = TcpProxy.for_url(broker.url)
+    try:
+        consumer = Consumer(
+            handlers=[AWARD],
+            url=url,
+            queue=broker.queue,
+            exchange=broker.exchange,
+            idle_timeout=0.2,
+            retry_delay=0,
+        )
+        stop = threading.Event()
+        results = []
+        thread = threading.Thread(target=lambda: results.append(consumer.run(stop=stop)))
+        thread.start()
+        assert wait_for(lambda: consumer._channel is not None)
+        first, second = make_event(pk=1), make_event(pk=2)
+        broker.publish(first)
+        assert wait_for(lambda: PointsLedger.objects.count() == 1)
+        proxy.cut()
+        broker.publish(second)
+        assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=30)
+        stop.set()
+        thread.join(timeout=30)
+    finally:
+        proxy.close()
+    assert results[0].counts[Outcome.PROCESSED] == 2
+    assert broker.count(broker.queue) == 0
