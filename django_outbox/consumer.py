@@ -365,8 +365,15 @@ def dead_letter_queue_name(queue: str) -> str:
     return f"{queue}.dlq"
 
 
-def default_queue_name() -> str:
-    return outbox_settings.CONSUMER_QUEUE or "outbox.consumer"
+def default_queue_name(handlers: Sequence[type[IdempotentHandler]] = ()) -> str:
+    """OUTBOX_CONSUMER_QUEUE, else ``<app label>.outbox`` of the first handler's app."""
+    if outbox_settings.CONSUMER_QUEUE:
+        return outbox_settings.CONSUMER_QUEUE
+    for cls in handlers:
+        config = apps.get_containing_app_config(cls.__module__)
+        if config is not None:
+            return f"{config.label}.outbox"
+    return "outbox.consumer"
 
 
 def queue_arguments(queue: str, *, queue_type: str, max_retries: int) -> dict[str, Any]:
@@ -416,7 +423,7 @@ class Consumer:
                 "OUTBOX_BROKER_URL is empty; set it to the AMQP URL of RabbitMQ, e.g. "
                 "amqp://user:password@rabbitmq:5672/%2F."
             )
-        self.queue = queue or default_queue_name()
+        self.queue = queue or default_queue_name(self.dispatcher.handler_classes)
         self.dead_letter_queue = dead_letter_queue_name(self.queue)
         self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange
         self.exchange_type = exchange_type or outbox_settings.EXCHANGE_TYPE

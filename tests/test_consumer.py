@@ -99,3 +99,22 @@ def test_handlers_are_discovered_and_paths_checked():
         get_handlers(["nope.Handler"])
     with pytest.raises(ImproperlyConfiguredHandler, match="not a subclass"):
         get_handlers(["points.models.PointsLedger"])
+
+
+def test_queue_name_and_arguments(settings):
+    from django_outbox.consumer import default_queue_name, queue_arguments
+
+    settings.OUTBOX_CONSUMER_QUEUE = ""
+    assert default_queue_name([AwardPointsHandler]) == "points.outbox"
+    settings.OUTBOX_CONSUMER_QUEUE = "svc.events"
+    assert default_queue_name([AwardPointsHandler]) == "svc.events"
+    quorum = queue_arguments("q", queue_type="quorum", max_retries=3)
+    assert quorum == {
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": "q.dlq",
+        "x-queue-type": "quorum",
+        "x-delivery-limit": 3,
+    }
+    assert "x-queue-type" not in queue_arguments("q", queue_type="classic", max_retries=3)
+    with pytest.raises(ImproperlyConfiguredHandler, match="'quorum' or 'classic'"):
+        queue_arguments("q", queue_type="stream", max_retries=3)
