@@ -27,6 +27,7 @@ class Codes:
     ORDERED = "django_outbox.E009"
     ALERTS = "django_outbox.E010"
     RETENTION = "django_outbox.W011"
+    ORDERED_ISOLATION = "django_outbox.W012"
 
 
 class Messages:
@@ -46,6 +47,12 @@ class Messages:
         "({timeout}), or another relay may take over rows whose confirms are still awaited."
     )
     ORDERED = "OUTBOX_ORDERED must be True, False or a list of event/aggregate types."
+    ORDERED_DEAD_HEAD = "OUTBOX_ORDERED_DEAD_HEAD must be 'block' or 'skip', got {value!r}."
+    ORDERED_ISOLATION = (
+        "Database {alias!r} runs at isolation level {level!r}; ordered mode (OUTBOX_ORDERED) "
+        "needs READ COMMITTED on MySQL/MariaDB, or two relays may publish an aggregate's "
+        "events out of order."
+    )
     ALERTS = "OUTBOX_ALERTS entry {index} is invalid: {problem}."
     RETENTION = (
         "OUTBOX_RETENTION_DAYS is {days}: sent rows are kept less than 3 days, too short to "
@@ -65,6 +72,14 @@ class Hints:
     NUMBERS = "Fix {name} in your settings (docs/settings.md has the default)."
     LEASE = "Raise OUTBOX_LEASE_SECONDS (default 60) or lower OUTBOX_CONFIRM_TIMEOUT (10)."
     ORDERED = "For example OUTBOX_ORDERED = ['ORDER_CREATED', 'ORDER_PAID'] or True."
+    ORDERED_DEAD_HEAD = (
+        "Use 'block' (the default: later events wait until the dead one is requeued) or "
+        "'skip' (they go ahead, and the dead-letter alert says so)."
+    )
+    ORDERED_ISOLATION = (
+        "Remove 'isolation_level' from DATABASES[{alias!r}]['OPTIONS'] (Django's default is "
+        "'read committed') or set it to 'read committed'."
+    )
     ALERTS = (
         "Each entry is {'BACKEND': 'django_outbox.alerts.LoggingChannel', 'OPTIONS': {}}; "
         "see docs/operations.md."
@@ -167,6 +182,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         isinstance(ordered, (list, tuple)) and all(isinstance(v, str) for v in ordered)
     ):
         errors.append(Error(Messages.ORDERED, hint=Hints.ORDERED, id=Codes.ORDERED))
+    dead_head = outbox_settings.ORDERED_DEAD_HEAD
+    if dead_head not in ("block", "skip"):
+        errors.append(
+            Error(
+                Messages.ORDERED_DEAD_HEAD.format(value=dead_head),
+                hint=Hints.ORDERED_DEAD_HEAD,
+                id=Codes.ORDERED,
+            )
+        )
 
     errors.extend(_check_alerts())
     errors.extend(_check_unknown_settings())
@@ -267,3 +291,27 @@ def check_skip_locked(
 
 def _positive(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and value > 0
+
+
+@register()
+def check_ordered_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Ordered mode's head check needs each statement to see what committed before it."""
+    if not outbox_settings.ORDERED:
+        return []
+    errors: list[CheckMessage] = []
+    for alias in _outbox_aliases(None):
+        db = settings.DATABASES.get(alias, {})
+        if not str(db.get("ENGINE", "")).endswith("mysql"):
+            continue
+        # Django's MySQL backend defaults to read committed; None keeps the server's
+        # default, which is REPEATABLE READ on MySQL and MariaDB.
+        level = (db.get("OPTIONS") or {}).get("isolation_level", "read committed")
+        if level != "read committed":
+            errors.append(
+                Warning(
+                    Messages.ORDERED_ISOLATION.format(alias=alias, level=level),
+                    hint=Hints.ORDERED_ISOLATION.format(alias=alias),
+                    id=Codes.ORDERED_ISOLATION,
+                )
+            )
+    return errors

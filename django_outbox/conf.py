@@ -125,6 +125,10 @@ class OutboxSettings:
         False,
         "Ordered delivery per aggregate: True for every event, or a list of event/aggregate types.",
     )
+    ORDERED_DEAD_HEAD: Setting[str] = Setting(
+        "block",
+        "Ordered mode, a DEAD event's later events: 'block' them until it is requeued, or 'skip' it.",
+    )
 
     # --- compensation, dead letters, purge -----------------------------------------------
     COMPENSATE_STALE_AFTER: Setting[float] = Setting(

@@ -72,6 +72,12 @@ class OutboxEvent(models.Model):
                 fields=["aggregate_type", "aggregate_id", "id"],
                 name="django_outbox_aggregate_idx",
             ),
+            # Ordered mode's "is there an earlier unsent event of this aggregate?" probe:
+            # with status before id it skips the aggregate's sent history.
+            models.Index(
+                fields=["aggregate_type", "aggregate_id", "status", "id"],
+                name="django_outbox_agg_head_idx",
+            ),
         ]
 
     def __str__(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.db import models, transaction
@@ -52,6 +53,8 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         *,
         lease_seconds: float,
         token: str | None = None,
+        ordered: bool | Sequence[str] | None = None,
+        dead_head: str | None = None,
     ) -> tuple[str, list[OutboxEvent]]:
         """Lease up to ``limit`` rows of this queryset, oldest first, for one relay pass.
 
@@ -61,10 +64,26 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         open while the caller publishes. Another relay skips locked rows, and once committed
         the rows are no longer due until the lease runs out. Returns the token (settles are
         fenced on it) and the claimed rows. Call it on ``due()`` or ``stale()``.
+
+        Ordered mode (``ordered``/``dead_head`` default to ``OUTBOX_ORDERED`` and
+        ``OUTBOX_ORDERED_DEAD_HEAD``): ordered rows are taken only while they are their
+        aggregate's head, by a ``NOT EXISTS`` in this same locking query, so a successor
+        is never claimed while its predecessor is PENDING (leased, in backoff) or DEAD.
+        The candidates are then checked once more by a second statement of this
+        transaction: on MySQL/MariaDB a locking read sees rows committed after the
+        statement's snapshot while its subquery does not, so a predecessor and its
+        successor committed during the scan could both look like heads (see
+        docs/ordered.md). Unordered rows skip both checks.
         """
+        from . import ordering
+
         token = token or uuid.uuid4().hex
+        ordered = ordering.current_ordered() if ordered is None else ordered
         with transaction.atomic(using=self.db):
-            rows = list(self.select_for_update(skip_locked=True).order_by("id")[:limit])
+            candidates = ordering.heads_only(self, ordered, dead_head)
+            rows = list(candidates.select_for_update(skip_locked=True).order_by("id")[:limit])
+            if rows and ordered:
+                rows = self._still_heads(rows, ordered, dead_head)
             if rows:
                 self.model._default_manager.using(self.db).filter(
                     pk__in=[row.pk for row in rows]
@@ -75,6 +94,62 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         for row in rows:
             row.lease_token = token
         return token, rows
+
+    def _still_heads(
+        self, rows: list[OutboxEvent], ordered: bool | Sequence[str], dead_head: str | None
+    ) -> list[OutboxEvent]:
+        """Drop locked ordered rows that a fresh statement shows are not heads after all."""
+        from . import ordering
+
+        ids = [row.pk for row in rows if ordering.is_ordered(row, ordered)]
+        if not ids:
+            return rows
+        base = self.model._default_manager.using(self.db).all()
+        blocked = set(
+            base.filter(pk__in=ids)
+            .filter(models.Exists(ordering.earlier_blockers(base, ordered, dead_head)))
+            .values_list("pk", flat=True)
+        )
+        return [row for row in rows if row.pk not in blocked]
+
+    # -- ordered mode: what is stuck ---------------------------------------------------------
+    def blocked_aggregates(
+        self, ordered: bool | Sequence[str] | None = None, dead_head: str | None = None
+    ) -> OutboxEventQuerySet:
+        """DEAD heads that hold back later PENDING events of their aggregate.
+
+        One row per blocked aggregate (its earliest unsent ordered event, which is DEAD),
+        annotated with ``waiting``: how many ordered PENDING events wait behind it.
+        Requeueing that row (status PENDING) unblocks the aggregate. Empty when ordered
+        mode is off or ``OUTBOX_ORDERED_DEAD_HEAD`` is "skip" (nothing waits on a DEAD row).
+        """
+        from . import ordering
+
+        ordered = ordering.current_ordered() if ordered is None else ordered
+        policy = ordering.current_dead_head_policy() if dead_head is None else dead_head
+        q = ordering.ordered_q(ordered)
+        if q is None or policy == ordering.SKIP:
+            return self.none()
+        base = self.model._default_manager.using(self.db).all()
+        later = (
+            base.filter(
+                aggregate_type=models.OuterRef("aggregate_type"),
+                aggregate_id=models.OuterRef("aggregate_id"),
+                status=PENDING,
+                id__gt=models.OuterRef("id"),
+            )
+            .filter(q)
+            .order_by()
+        )
+        waiting = later.values("aggregate_type").annotate(n=models.Count("id")).values("n")
+        return (
+            self.filter(status=DEAD)
+            .filter(q)
+            .filter(models.Exists(later))
+            .exclude(models.Exists(ordering.earlier_blockers(base, ordered, ordering.BLOCK)))
+            .annotate(waiting=models.Subquery(waiting, output_field=models.IntegerField()))
+            .order_by("id")
+        )
 
     def held_by(self, token: str) -> OutboxEventQuerySet:
         """Rows still PENDING under the claim ``token``: the fence of every settle."""

@@ -1,0 +1,115 @@
+"""Ordered delivery per aggregate: which rows are ordered, and which of them are heads.
+
+An *ordered* row (``OUTBOX_ORDERED``: ``True`` for every event, or a list of event types
+and/or aggregate types) with a non-empty ``aggregate_id`` may only be claimed while it is
+the *head* of its aggregate: no earlier ordered row of the same (``aggregate_type``,
+``aggregate_id``) is still PENDING (claimed, in retry backoff or not yet tried) or, with the
+default ``OUTBOX_ORDERED_DEAD_HEAD = "block"``, DEAD. The rule is a ``NOT EXISTS`` filter
+inside the claim query itself (see :meth:`OutboxEventQuerySet.claim`), so it holds across
+any number of relays and the compensator without a lock table or an advisory lock: a head
+stays PENDING until it is SENT, and while it is PENDING every claim excludes its successors.
+
+Rows without an ``aggregate_id`` are never ordered: they have no aggregate to wait for.
+See docs/ordered.md for the guarantee and what it assumes about the writers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.db.models import Exists, OuterRef, Q
+
+from .conf import outbox_settings
+
+if TYPE_CHECKING:
+    from .querysets import OutboxEventQuerySet
+
+# Plain ints, as in querysets.py (no import of models here).
+PENDING, SENT, DEAD = 0, 1, 2
+
+BLOCK, SKIP = "block", "skip"
+DEAD_HEAD_POLICIES = (BLOCK, SKIP)
+
+Ordered = bool | Sequence[str]
+
+
+def current_ordered() -> Ordered:
+    return outbox_settings.ORDERED
+
+
+def current_dead_head_policy() -> str:
+    return outbox_settings.ORDERED_DEAD_HEAD
+
+
+def is_enabled(ordered: Ordered | None = None) -> bool:
+    ordered = current_ordered() if ordered is None else ordered
+    return bool(ordered)
+
+
+def ordered_q(ordered: Ordered | None = None, prefix: str = "") -> Q | None:
+    """The filter selecting ordered rows, or None when ordered mode is off."""
+    ordered = current_ordered() if ordered is None else ordered
+    if not ordered:
+        return None
+    q = ~Q(**{f"{prefix}aggregate_id": ""})
+    if ordered is True:
+        return q
+    names = sorted({str(name) for name in ordered})  # type: ignore[union-attr]
+    return q & (
+        Q(**{f"{prefix}event_type__in": names}) | Q(**{f"{prefix}aggregate_type__in": names})
+    )
+
+
+def is_ordered(event: Any, ordered: Ordered | None = None) -> bool:
+    """Python twin of :func:`ordered_q` for one row."""
+    ordered = current_ordered() if ordered is None else ordered
+    if not ordered or not event.aggregate_id:
+        return False
+    if ordered is True:
+        return True
+    return event.event_type in ordered or event.aggregate_type in ordered  # type: ignore[operator]
+
+
+def blocking_statuses(policy: str | None = None) -> tuple[int, ...]:
+    policy = current_dead_head_policy() if policy is None else policy
+    return (PENDING,) if policy == SKIP else (PENDING, DEAD)
+
+
+def earlier_blockers(
+    base: OutboxEventQuerySet, ordered: Ordered, policy: str | None = None
+) -> OutboxEventQuerySet:
+    """Earlier ordered rows of the outer row's aggregate that keep it from being a head.
+
+    Meant for ``Exists(...)`` against an outer OutboxEvent query. The lookup is served by
+    the ``django_outbox_agg_head_idx`` index (aggregate_type, aggregate_id, status, id): it
+    jumps straight to the aggregate's unsent rows instead of walking its sent history.
+    """
+    q = ordered_q(ordered)
+    assert q is not None
+    return (
+        base.filter(
+            aggregate_type=OuterRef("aggregate_type"),
+            aggregate_id=OuterRef("aggregate_id"),
+            status__in=blocking_statuses(policy),
+            id__lt=OuterRef("id"),
+        )
+        .filter(q)
+        .order_by()
+        .values("id")
+    )
+
+
+def heads_only(
+    queryset: OutboxEventQuerySet, ordered: Ordered | None = None, policy: str | None = None
+) -> OutboxEventQuerySet:
+    """``queryset`` without the ordered rows that are not their aggregate's head.
+
+    Unordered rows pass untouched, so they keep the relay's full speed.
+    """
+    ordered = current_ordered() if ordered is None else ordered
+    q = ordered_q(ordered)
+    if q is None:
+        return queryset
+    base = queryset.model._default_manager.using(queryset.db).all()
+    return queryset.exclude(q, Exists(earlier_blockers(base, ordered, policy)))
