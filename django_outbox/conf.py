@@ -127,7 +127,7 @@ class OutboxSettings:
     )
     ORDERED_DEAD_HEAD: Setting[str] = Setting(
         "block",
-        "Ordered mode, a DEAD event's later events: 'block' them until it is requeued, or 'skip' it.",
+        "Ordered mode: a DEAD event's successors 'block' until it is requeued, or 'skip' it.",
     )
 
     # --- compensation, dead letters, purge -----------------------------------------------
