@@ -333,37 +333,53 @@ def _pretty(value: Any) -> str:
 
 
 def trend_chart(
-    snapshot: stats.OutboxStats, *, width: int = 720, height: int = 180
+    snapshot: stats.OutboxStats, *, width: int = 760, height: int = 190
 ) -> dict[str, Any]:
-    """Coordinates of the created-vs-sent chart; the template draws them as inline SVG."""
-    left, bottom, top = 40, 22, 10
-    plot_w, plot_h = width - left - 10, height - bottom - top
+    """Coordinates of the created-vs-sent chart; the template draws them as inline SVG.
+
+    Created rows are bars, sent rows a line through the bars' centres: where the line
+    runs below the bars, the backlog grows.
+    """
+    left, right_pad, bottom, top = 40, 24, 22, 12
+    plot_w, plot_h = width - left - right_pad, height - bottom - top
     buckets = snapshot.trend
     peak = max([1, *(b.created for b in buckets), *(b.sent for b in buckets)])
-    step = plot_w / max(len(buckets) - 1, 1)
+    slot = plot_w / max(len(buckets), 1)
+    baseline = top + plot_h
 
-    def points(values: list[int]) -> str:
-        return " ".join(
-            f"{left + i * step:.1f},{top + plot_h - v / peak * plot_h:.1f}"
-            for i, v in enumerate(values)
-        )
+    def y(v: int) -> float:
+        return baseline - v / peak * plot_h
 
-    labels = []
-    for i in (0, len(buckets) // 2, len(buckets) - 1):
-        if 0 <= i < len(buckets):
-            labels.append(
-                {"x": f"{left + i * step:.1f}", "text": buckets[i].start.strftime("%H:%M")}
-            )
+    bars = [
+        {
+            "x": f"{left + i * slot + slot * 0.1:.1f}",
+            "y": f"{y(b.created):.1f}",
+            "w": f"{slot * 0.8:.1f}",
+            "h": f"{baseline - y(b.created):.1f}",
+            "title": f"{b.start:%H:%M} created {b.created}, sent {b.sent}",
+        }
+        for i, b in enumerate(buckets)
+        if b.created
+    ]
+    sent_points = " ".join(
+        f"{left + (i + 0.5) * slot:.1f},{y(b.sent):.1f}" for i, b in enumerate(buckets)
+    )
+    labels = [
+        {"x": f"{left + (i + 0.5) * slot:.1f}", "text": buckets[i].start.strftime("%H:%M")}
+        for i in sorted({0, len(buckets) // 4, len(buckets) // 2, 3 * len(buckets) // 4})
+        if i < len(buckets)
+    ]
+    labels.append({"x": f"{left + plot_w:.1f}", "text": _("now")})
     return {
         "width": width,
         "height": height,
         "left": left,
         "right": left + plot_w,
         "top": top,
-        "baseline": top + plot_h,
+        "baseline": baseline,
         "peak": peak,
-        "created_points": points([b.created for b in buckets]),
-        "sent_points": points([b.sent for b in buckets]),
+        "bars": bars,
+        "sent_points": sent_points,
         "labels": labels,
         "label_y": height - 6,
         "created_total": sum(b.created for b in buckets),
