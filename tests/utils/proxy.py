@@ -1,7 +1,12 @@
 """A loopback TCP proxy for outage tests: cut every connection through it on demand.
 
 Tests never stop the shared RabbitMQ; they connect through this proxy and call
-:meth:`TcpProxy.cut` to drop their own connections (new ones are accepted again).
+:meth:`TcpProxy.cut` to drop their own connections (new ones are accepted again),
+:meth:`TcpProxy.refuse` to turn new ones away too (an outage until :meth:`TcpProxy.allow`),
+or :meth:`TcpProxy.pause` to stop forwarding broker-to-client bytes while the connection
+stays up (a broker that never answers: confirm timeouts) until :meth:`TcpProxy.resume`.
+:meth:`TcpProxy.hold_upstream_after` lets only so many more client-to-broker bytes through,
+so a test knows part of what it sent never reached the broker.
 """
 
 from __future__ import annotations
@@ -20,6 +25,13 @@ class TcpProxy:
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._refusing = False
+        self._downstream = threading.Event()  # set: broker->client bytes flow
+        self._downstream.set()
+        self._upstream_budget: int | None = None  # None: no limit
+        self._upstream_open = threading.Event()
+        self._upstream_open.set()
+        self.downstream_bytes = 0  # broker->client bytes forwarded so far
         threading.Thread(target=self._accept, daemon=True).start()
 
     @classmethod
@@ -37,6 +49,9 @@ class TcpProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            if self._refusing:
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -45,13 +60,20 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(a, b, up), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
         try:
             while data := source.recv(65536):
+                if upstream:
+                    while data:
+                        n = self._allowance(len(data))
+                        sink.sendall(data[:n])
+                        data = data[n:]
+                    continue
+                self._downstream.wait()
+                self.downstream_bytes += len(data)
                 sink.sendall(data)
         except OSError:
             pass
@@ -69,7 +91,45 @@ class TcpProxy:
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
 
+    def refuse(self) -> None:
+        """Close new connections at once (existing ones are untouched: ``cut()`` them)."""
+        self._refusing = True
+
+    def allow(self) -> None:
+        self._refusing = False
+
+    def pause(self) -> None:
+        """Hold back everything the broker sends (the client's bytes still go through)."""
+        self._downstream.clear()
+
+    def resume(self) -> None:
+        """Forward both ways again, without limit."""
+        with self._lock:
+            self._upstream_budget = None
+        self._upstream_open.set()
+        self._downstream.set()
+
+    def hold_upstream_after(self, nbytes: int) -> None:
+        """Forward at most ``nbytes`` more client-to-broker bytes, hold the rest."""
+        with self._lock:
+            self._upstream_budget = nbytes
+
+    def _allowance(self, wanted: int) -> int:
+        """How many of ``wanted`` bytes may go upstream now; waits while the budget is 0."""
+        while True:
+            with self._lock:
+                budget = self._upstream_budget
+                if budget is None:
+                    return wanted
+                if budget > 0:
+                    n = min(budget, wanted)
+                    self._upstream_budget = budget - n
+                    return n
+                self._upstream_open.clear()
+            self._upstream_open.wait()
+
     def close(self) -> None:
         self._closed = True
+        self.resume()
         self._server.close()
         self.cut()

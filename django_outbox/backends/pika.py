@@ -1,0 +1,549 @@
+"""The production backend: RabbitMQ through pika, with pipelined publisher confirms.
+
+Every message of a batch is written to the socket before any confirm is awaited, and the
+broker's ``basic.ack``/``basic.nack`` frames (``multiple=True`` included) are matched back
+to the rows by delivery tag. pika's ``BlockingConnection`` cannot do that (with
+``confirm_delivery()`` each ``basic_publish`` waits for its own confirm, one round trip per
+message), so this backend uses the asynchronous ``SelectConnection`` and drives its I/O
+loop from the calling thread: :meth:`PikaBackend.publish` writes the batch, runs the loop
+until every message is settled or the confirm timeout passes, and stops it again. No
+thread is started; between batches the connection simply waits.
+
+Outcome of each message (see ``docs/relay.md``, "The RabbitMQ backend"):
+
+* ``basic.ack``: sent, unless a ``basic.return`` came first (``mandatory=True`` and no
+  queue bound): then UNROUTABLE, although the broker acks a returned message too;
+* ``basic.nack``: NACKED (e.g. a queue with ``x-overflow: reject-publish`` is full);
+* nothing within ``confirm_timeout``: TIMEOUT;
+* the connection or channel went away first: CONNECTION_LOST, and the next
+  :meth:`~PikaBackend.publish` reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import pika
+import pika.exceptions
+from django.core.checks import CheckMessage, Error
+from pika import spec
+from pika.adapters.select_connection import IOLoop, SelectConnection
+
+from ..conf import outbox_settings
+from ..masking import mask_url
+from ..message import CONTENT_TYPE, encode_body, encode_headers
+from .base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+
+if TYPE_CHECKING:
+    from pika.channel import Channel
+    from pika.frame import Method
+
+    from ..models import OutboxEvent
+
+__all__ = ["PikaBackend", "mask_url"]
+
+logger = logging.getLogger("django_outbox.backends.pika")
+
+SCHEMES = ("amqp", "amqps")
+# How long close() waits for the broker's close-ok before dropping the socket anyway.
+CLOSE_TIMEOUT = 2.0
+
+
+class PikaBackend(BaseBackend):
+    """Publish outbox events to a RabbitMQ exchange with confirms, ``mandatory`` and
+    persistent delivery.
+
+    Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting:
+    ``broker_url`` (``OUTBOX_BROKER_URL``), ``exchange_type`` (``OUTBOX_EXCHANGE_TYPE``),
+    ``exchange_passive`` (``OUTBOX_EXCHANGE_PASSIVE``), ``confirm_timeout``
+    (``OUTBOX_CONFIRM_TIMEOUT``), ``connect_timeout`` (``OUTBOX_CONNECT_TIMEOUT``, also
+    the blocked-connection timeout); plus the base class's ``exchange``,
+    ``routing_keys`` and ``routing_key_func``.
+    """
+
+    def __init__(
+        self,
+        *,
+        broker_url: str | None = None,
+        exchange_type: str | None = None,
+        exchange_passive: bool | None = None,
+        confirm_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
+        self.exchange_type = (
+            outbox_settings.EXCHANGE_TYPE if exchange_type is None else exchange_type
+        )
+        self.exchange_passive = (
+            outbox_settings.EXCHANGE_PASSIVE if exchange_passive is None else exchange_passive
+        )
+        self.confirm_timeout = float(
+            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
+        )
+        self.connect_timeout = float(
+            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+        )
+        self.masked_url = mask_url(self.broker_url)
+
+        self._ioloop: IOLoop | None = None
+        self._connection: SelectConnection | None = None
+        self._channel: Channel | None = None
+        self._ready = False  # channel open, in confirm mode, exchange declared
+        self._open_error: str = ""  # why the connection/channel could not be opened
+        self._blocked = False  # connection.blocked received (memory or disk alarm)
+        self._next_tag = 1  # delivery tag of the next publish on this channel
+        self._done: Callable[[], bool] | None = None  # stop the loop once this is true
+
+        # The batch in flight. Position k is delivery tag _base_tag + k; _positions[k] is
+        # the index of that message's row in the batch.
+        self._results: list[PublishResult | None] | None = None
+        self._positions: list[int] = []
+        self._base_tag = 0
+        self._low = 0  # every position below this one is settled
+        self._unsettled = 0
+        self._returned: set[int] = set()  # row indexes the broker sent back
+        self._return_errors: dict[int, str] = {}
+        self._index_by_id: dict[str, int] | None = None
+        self._events: Sequence[OutboxEvent] = ()
+        self._lost = ""  # why the connection/channel went away during the batch
+
+    def __repr__(self) -> str:
+        return f"<PikaBackend {self.masked_url} exchange={self.exchange!r}>"
+
+    # -- configuration checks --------------------------------------------------------------
+    @classmethod
+    def check(cls, **kwargs: Any) -> list[CheckMessage]:
+        from ..checks import Codes
+
+        options = outbox_settings.BACKEND_OPTIONS or {}
+        url = options.get("broker_url") or outbox_settings.BROKER_URL
+        example = "amqp://user:password@rabbitmq:5672/%2F"
+        if not url:
+            return [
+                Error(
+                    "OUTBOX_BROKER_URL is empty: the RabbitMQ backend has no broker to publish to.",
+                    hint=f"Set OUTBOX_BROKER_URL = '{example}' (for instance from an "
+                    "environment variable).",
+                    id=Codes.BROKER_URL,
+                )
+            ]
+        try:
+            scheme = urlsplit(url).scheme.lower()
+        except ValueError:
+            scheme = ""
+        problem = ""
+        if scheme not in SCHEMES:
+            problem = "is not an amqp:// or amqps:// URL"
+        else:
+            try:
+                pika.URLParameters(url)
+            except Exception as exc:  # pika raises several types for bad URLs
+                problem = f"cannot be parsed ({type(exc).__name__}: {exc})"
+        if problem:
+            return [
+                Error(
+                    f"OUTBOX_BROKER_URL {mask_url(url)!r} {problem}.",
+                    hint=f"Use the AMQP URL of RabbitMQ, e.g. '{example}' "
+                    "(amqps:// for TLS; the vhost '/' is written %2F).",
+                    id=Codes.BROKER_URL,
+                )
+            ]
+        return []
+
+    # -- connection ------------------------------------------------------------------------
+    def _parameters(self) -> pika.URLParameters:
+        if not self.broker_url:
+            raise BrokerUnavailable(
+                "OUTBOX_BROKER_URL is empty; set it to the AMQP URL of RabbitMQ, e.g. "
+                "amqp://user:password@rabbitmq:5672/%2F."
+            )
+        try:
+            params = pika.URLParameters(self.broker_url)
+        except Exception as exc:
+            raise BrokerUnavailable(
+                f"OUTBOX_BROKER_URL {self.masked_url!r} is invalid ({exc}); "
+                "run `manage.py check` for the expected form."
+            ) from exc
+        # One attempt, bounded: the relay does the retrying and the backoff sleeping.
+        params.connection_attempts = 1
+        params.retry_delay = 0
+        params.socket_timeout = self.connect_timeout
+        params.stack_timeout = self.connect_timeout
+        # Without it a connection blocked by a memory or disk alarm waits forever.
+        params.blocked_connection_timeout = self.connect_timeout
+        return params
+
+    def open(self) -> None:
+        """Connect, open a confirm-mode channel and declare the exchange (idempotent)."""
+        if self._ready and self._usable():
+            return
+        params = self._parameters()
+        if self._ioloop is None:
+            self._ioloop = IOLoop()
+        self._ready = False
+        self._open_error = ""
+        if self._connection is not None and self._connection.is_open:
+            # The connection survived, only the channel was closed (a channel error).
+            self._open_channel(self._connection)
+        else:
+            self._teardown()
+            self._blocked = False
+            self._connection = SelectConnection(
+                parameters=params,
+                on_open_callback=self._on_connection_open,
+                on_open_error_callback=self._on_connection_open_error,
+                on_close_callback=self._on_connection_closed,
+                custom_ioloop=self._ioloop,
+            )
+        started = time.monotonic()
+        settled = self._run(lambda: self._ready or bool(self._open_error), self.connect_timeout)
+        if not self._ready:
+            error = self._open_error or f"no answer within {self.connect_timeout:g} s"
+            self._teardown()
+            raise BrokerUnavailable(
+                f"cannot connect to RabbitMQ at {self.masked_url}: {error}. Check that the "
+                "broker is running and OUTBOX_BROKER_URL (host, port, vhost, credentials) "
+                "is right; the relay retries with backoff."
+                + ("" if settled else " (connect timeout: OUTBOX_CONNECT_TIMEOUT)")
+            )
+        logger.info(
+            "connected to %s (exchange %r, %.0f ms)",
+            self.masked_url,
+            self.exchange,
+            (time.monotonic() - started) * 1000,
+        )
+
+    def close(self) -> None:
+        connection, self._connection = self._connection, None
+        self._channel = None
+        self._ready = False
+        if connection is not None and not (connection.is_closed or connection.is_closing):
+            try:
+                connection.close()
+            except pika.exceptions.AMQPError:
+                pass
+            else:
+                self._connection = connection
+                self._run(lambda: connection.is_closed, CLOSE_TIMEOUT)
+                self._connection = None
+        if self._ioloop is not None:
+            self._ioloop.close()
+            self._ioloop = None
+
+    def _usable(self) -> bool:
+        return (
+            self._connection is not None
+            and self._connection.is_open
+            and self._channel is not None
+            and self._channel.is_open
+        )
+
+    def _teardown(self) -> None:
+        """Forget a half-open or broken connection; the next open() starts over."""
+        connection, self._connection = self._connection, None
+        self._channel = None
+        self._ready = False
+        if connection is not None and not (connection.is_closed or connection.is_closing):
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                connection.close()
+
+    def _open_channel(self, connection: SelectConnection) -> None:
+        connection.channel(on_open_callback=self._on_channel_open)
+
+    # pika callbacks: they run inside _run(), on the calling thread.
+    def _on_connection_open(self, connection: SelectConnection) -> None:
+        connection.add_on_connection_blocked_callback(self._on_blocked)
+        connection.add_on_connection_unblocked_callback(self._on_unblocked)
+        self._open_channel(connection)
+
+    def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
+        self._open_error = _describe(error)
+        self._wake()
+
+    def _on_connection_closed(self, connection: SelectConnection, error: Exception) -> None:
+        if connection is not self._connection:
+            return
+        self._channel = None
+        self._ready = False
+        if isinstance(error, pika.exceptions.ConnectionClosedByClient):
+            return self._wake()
+        reason = _describe(error)
+        if self._results is None and not self._open_error:
+            self._open_error = f"connection closed: {reason}"
+        logger.warning("connection to %s lost: %s", self.masked_url, reason)
+        self._connection_lost(f"connection lost: {reason}")
+
+    def _on_channel_open(self, channel: Channel) -> None:
+        self._channel = channel
+        self._next_tag = 1
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_ok)
+
+    def _on_confirm_ok(self, frame: Method) -> None:
+        if self._channel is None:
+            return
+        if not self.exchange:  # the default exchange exists and cannot be declared
+            return self._on_exchange_ok(frame)
+        self._channel.exchange_declare(
+            exchange=self.exchange,
+            exchange_type=self.exchange_type,
+            passive=self.exchange_passive,
+            durable=True,
+            callback=self._on_exchange_ok,
+        )
+
+    def _on_exchange_ok(self, frame: Method) -> None:
+        self._ready = True
+        self._wake()
+
+    def _on_channel_closed(self, channel: Channel, error: Exception) -> None:
+        if channel is not self._channel:
+            return
+        self._channel = None
+        self._ready = False
+        reason = _describe(error)
+        if not self._open_error and self._results is None:
+            # Closed while opening: e.g. a passive declare of a missing exchange.
+            self._open_error = f"channel closed: {reason}" + _exchange_hint(
+                error, self.exchange, self.exchange_passive
+            )
+        if not isinstance(error, pika.exceptions.ChannelClosedByClient):
+            logger.warning("channel to %s closed: %s", self.masked_url, reason)
+        self._connection_lost(f"channel closed: {reason}")
+
+    def _on_blocked(self, connection: SelectConnection, frame: Method) -> None:
+        self._blocked = True
+        reason = getattr(frame.method, "reason", "")
+        logger.warning(
+            "RabbitMQ blocked the connection to %s (%s); it is closed after %g s if the "
+            "alarm does not clear",
+            self.masked_url,
+            reason or "memory or disk alarm",
+            self.connect_timeout,
+        )
+
+    def _on_unblocked(self, connection: SelectConnection, frame: Method) -> None:
+        self._blocked = False
+        logger.info("RabbitMQ unblocked the connection to %s", self.masked_url)
+
+    # -- running the I/O loop --------------------------------------------------------------
+    def _run(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Run pika's I/O loop on this thread until ``done()`` or ``timeout`` seconds."""
+        ioloop = self._ioloop
+        if ioloop is None:
+            return done()
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._done = done
+            timer = ioloop.call_later(remaining, ioloop.stop)
+            try:
+                ioloop.start()
+            finally:
+                ioloop.remove_timeout(timer)
+                self._done = None
+        return True
+
+    def _wake(self) -> None:
+        if self._done is not None and self._done() and self._ioloop is not None:
+            self._ioloop.stop()
+
+    def _poll(self) -> None:
+        """Handle whatever arrived while idle (a close, a blocked notice, heartbeats)."""
+        ioloop = self._ioloop
+        if ioloop is None or self._connection is None:
+            return
+        timer = ioloop.call_later(0, ioloop.stop)
+        try:
+            ioloop.start()
+        finally:
+            ioloop.remove_timeout(timer)
+
+    # -- publishing ------------------------------------------------------------------------
+    def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
+        if not events:
+            return []
+        self._poll()
+        self.open()
+        if self._blocked:
+            raise BrokerUnavailable(
+                f"RabbitMQ at {self.masked_url} has blocked publishing (a memory or disk "
+                "alarm); see `rabbitmqctl status` and docs/operations.md. Nothing was sent."
+            )
+        count = len(events)
+        results: list[PublishResult | None] = [None] * count
+        self._results = results
+        self._events = events
+        positions: list[int] = []
+        self._positions = positions
+        self._base_tag = self._next_tag
+        self._low = 0
+        self._returned = set()
+        self._return_errors = {}
+        self._index_by_id = None
+        self._lost = ""
+        try:
+            self._send(events, results, positions)
+            self._unsettled = len(positions)
+            self._run(self._batch_done, self.confirm_timeout)
+            if self._unsettled:
+                if self._lost:
+                    failure = PublishResult.failed(Reason.CONNECTION_LOST, self._lost)
+                elif self._blocked:
+                    # A broker alarm is not the events' fault: let the relay back off.
+                    failure = PublishResult.failed(
+                        Reason.CONNECTION_LOST,
+                        "RabbitMQ blocked the connection (memory or disk alarm) before confirming",
+                    )
+                else:
+                    failure = PublishResult.failed(
+                        Reason.TIMEOUT,
+                        f"no publisher confirm from RabbitMQ within {self.confirm_timeout:g} s "
+                        "(OUTBOX_CONFIRM_TIMEOUT)",
+                    )
+                for index in positions[self._low :]:
+                    if results[index] is None:
+                        results[index] = failure
+        finally:
+            self._results = None
+            self._events = ()
+            self._positions = []
+            self._index_by_id = None
+        return results  # type: ignore[return-value]  # every slot is filled above
+
+    def _send(
+        self,
+        events: Sequence[OutboxEvent],
+        results: list[PublishResult | None],
+        positions: list[int],
+    ) -> None:
+        channel = self._channel
+        assert channel is not None
+        exchange = self.exchange
+        routing_key = self.routing_key
+        properties = spec.BasicProperties
+        publish = channel.basic_publish
+        append = positions.append
+        for index, event in enumerate(events):
+            try:
+                body = encode_body(event)
+                props = properties(
+                    content_type=CONTENT_TYPE,
+                    delivery_mode=2,
+                    message_id=event.event_id,
+                    type=event.event_type,
+                    timestamp=int(event.occurred_at.timestamp()),
+                    headers=encode_headers(event),
+                )
+                key = routing_key(event)
+            except Exception as exc:
+                results[index] = PublishResult.failed(
+                    Reason.SERIALISATION, f"cannot build the message: {type(exc).__name__}: {exc}"
+                )
+                continue
+            try:
+                publish(exchange, key, body, props, mandatory=True)
+            except pika.exceptions.AMQPError as exc:
+                # The channel went away under us (only possible if a callback ran).
+                error = f"publish failed: {_describe(exc)}"
+                for rest in range(index, len(events)):
+                    if results[rest] is None:
+                        results[rest] = PublishResult.failed(Reason.CONNECTION_LOST, error)
+                break
+            append(index)
+        self._next_tag += len(positions)
+
+    def _batch_done(self) -> bool:
+        return not self._unsettled or bool(self._lost)
+
+    def _connection_lost(self, reason: str) -> None:
+        if self._results is not None and not self._lost:
+            self._lost = reason
+        self._wake()
+
+    def _on_confirm(self, frame: Method) -> None:
+        results = self._results
+        if results is None:
+            return  # a late confirm of a batch that already timed out
+        method = frame.method
+        position = method.delivery_tag - self._base_tag
+        if position < self._low or position >= len(self._positions):
+            return
+        nacked = isinstance(method, spec.Basic.Nack)
+        first = self._low if method.multiple else position
+        positions = self._positions
+        for k in range(first, position + 1):
+            index = positions[k]
+            if results[index] is not None:
+                continue
+            if nacked:
+                results[index] = PublishResult.failed(
+                    Reason.NACKED, "RabbitMQ refused the message (basic.nack)"
+                )
+            elif index in self._returned:
+                results[index] = PublishResult.failed(
+                    Reason.UNROUTABLE, self._return_errors.get(index, "returned")
+                )
+            else:
+                results[index] = PublishResult.sent()
+            self._unsettled -= 1
+        low = self._low
+        while low < len(positions) and results[positions[low]] is not None:
+            low += 1
+        self._low = low
+        if not self._unsettled:
+            self._wake()
+
+    def _on_return(
+        self,
+        channel: Channel,
+        method: spec.Basic.Return,
+        properties: spec.BasicProperties,
+        body: bytes,
+    ) -> None:
+        if self._results is None:
+            return
+        if self._index_by_id is None:
+            # Returns are rare: build the lookup only when the first one arrives.
+            self._index_by_id = {e.event_id: i for i, e in enumerate(self._events)}
+        index = self._index_by_id.get(properties.message_id or "")
+        if index is None:
+            return
+        self._returned.add(index)
+        self._return_errors[index] = (
+            f"returned by RabbitMQ: {method.reply_code} {method.reply_text} (no queue bound "
+            f"to exchange {method.exchange!r} for routing key {method.routing_key!r})"
+        )
+
+
+def _describe(error: Any) -> str:
+    """A short, password-free description of a pika error."""
+    if isinstance(error, pika.exceptions.ConnectionClosed | pika.exceptions.ChannelClosed):
+        return f"{error.reply_code} {error.reply_text}"
+    text = str(error) or type(error).__name__
+    return f"{type(error).__name__}: {text}" if not text.startswith(type(error).__name__) else text
+
+
+def _exchange_hint(error: Any, exchange: str, passive: bool) -> str:
+    code = getattr(error, "reply_code", None)
+    if code == 404 and passive:
+        return (
+            f" (exchange {exchange!r} does not exist; create it, or set "
+            "OUTBOX_EXCHANGE_PASSIVE = False to let the relay declare it)"
+        )
+    if code == 406:
+        return (
+            f" (exchange {exchange!r} exists with other settings; make OUTBOX_EXCHANGE_TYPE "
+            "match it, or set OUTBOX_EXCHANGE_PASSIVE = True)"
+        )
+    return ""

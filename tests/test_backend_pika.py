@@ -1,0 +1,394 @@
+"""PikaBackend against the real RabbitMQ: confirms, returns, nacks, timeouts, lost connections.
+
+Every test declares its own uniquely named exchange and queues and deletes them afterwards;
+outages are made with tests.utils.proxy.TcpProxy, never by touching the shared broker.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+
+import pika
+import pytest
+from django.test import override_settings
+
+from django_outbox.backends import get_backend
+from django_outbox.backends.base import BrokerUnavailable, Reason
+from django_outbox.backends.pika import PikaBackend, mask_url
+from django_outbox.checks import Codes
+from django_outbox.models import OutboxEvent
+from tests.utils.proxy import TcpProxy
+
+pytestmark = pytest.mark.amqp
+
+OCCURRED = datetime(2026, 5, 17, 8, 30, 15, 123456, tzinfo=timezone.utc)
+
+
+def make_rows(
+    count: int, *, event_type: str = "ORDER_CREATED", start: int = 1
+) -> list[OutboxEvent]:
+    """Unsaved rows with a pk, as the relay hands them over (no database needed)."""
+    return [
+        OutboxEvent(
+            pk=start + i,
+            event_id=uuid.uuid4().hex,
+            event_type=event_type,
+            aggregate_type="orders.Order",
+            aggregate_id=f"A-{start + i}",
+            payload={"order_id": start + i, "total": "12.50", "note": "über"},
+            headers={"trace_id": f"t-{start + i}"},
+            occurred_at=OCCURRED,
+            retry_count=0,
+        )
+        for i in range(count)
+    ]
+
+
+class Broker:
+    """An admin connection that creates uniquely named objects and deletes them at the end."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.suffix = uuid.uuid4().hex[:10]
+        self.exchange = f"test.outbox.{self.suffix}"
+        self._connection = pika.BlockingConnection(pika.URLParameters(url))
+        self.channel = self._connection.channel()
+        self._queues: list[str] = []
+        self._exchanges: list[str] = [self.exchange]
+
+    def declare_exchange(self, name: str | None = None) -> str:
+        name = name or self.exchange
+        self.channel.exchange_declare(name, exchange_type="topic", durable=True)
+        if name not in self._exchanges:
+            self._exchanges.append(name)
+        return name
+
+    def queue(self, binding: str | None = "#", **arguments: object) -> str:
+        name = f"test.outbox.q.{uuid.uuid4().hex[:10]}"
+        self.channel.queue_declare(name, durable=False, arguments=arguments or None)
+        self._queues.append(name)
+        if binding is not None:
+            self.declare_exchange()
+            self.channel.queue_bind(name, self.exchange, routing_key=binding)
+        return name
+
+    def get_all(self, queue: str, expected: int, timeout: float = 5.0) -> list[tuple]:
+        messages: list[tuple] = []
+        deadline = time.monotonic() + timeout
+        while len(messages) < expected and time.monotonic() < deadline:
+            method, props, body = self.channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                time.sleep(0.05)
+                continue
+            messages.append((method, props, body))
+        return messages
+
+    def count(self, queue: str) -> int:
+        return self.channel.queue_declare(queue, passive=True).method.message_count
+
+    def close(self) -> None:
+        try:
+            for q in self._queues:
+                self.channel.queue_delete(q)
+            for e in self._exchanges:
+                self.channel.exchange_delete(e)
+        finally:
+            self._connection.close()
+
+
+@pytest.fixture
+def broker(amqp_url: str) -> Iterator[Broker]:
+    b = Broker(amqp_url)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def proxied(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
+    proxy, url = TcpProxy.for_url(broker.url)
+    yield proxy, url
+    proxy.close()
+
+
+def backend_for(broker: Broker, url: str | None = None, **options: object) -> PikaBackend:
+    return PikaBackend(broker_url=url or broker.url, exchange=broker.exchange, **options)
+
+
+def test_messages_arrive_with_properties_body_and_headers(broker: Broker) -> None:
+    queue = broker.queue("ORDER_CREATED")
+    rows = make_rows(3)
+    with backend_for(broker) as backend:
+        results = backend.publish(rows)
+    assert [r.ok for r in results] == [True, True, True]
+    messages = broker.get_all(queue, 3)
+    assert len(messages) == 3
+    for row, (method, props, body) in zip(rows, messages, strict=True):
+        assert method.exchange == broker.exchange
+        assert method.routing_key == "ORDER_CREATED"
+        assert props.message_id == row.event_id
+        assert props.type == "ORDER_CREATED"
+        assert props.content_type == "application/json"
+        assert props.delivery_mode == 2
+        assert props.timestamp == int(OCCURRED.timestamp())
+        assert props.headers == {
+            "trace_id": f"t-{row.pk}",
+            "aggregate_type": "orders.Order",
+            "aggregate_id": f"A-{row.pk}",
+            "occurred_at": "2026-05-17T08:30:15.123456+00:00",
+            "attempt": 1,
+            "sequence": row.pk,
+        }
+        assert body == f'{{"order_id":{row.pk},"total":"12.50","note":"über"}}'.encode()
+
+
+def test_declares_a_durable_exchange_and_uses_routing_keys(broker: Broker) -> None:
+    rows = make_rows(1)
+    backend = backend_for(broker, routing_keys={"ORDER_CREATED": "orders.created"})
+    backend.open()  # declares the exchange: the queue can be bound to it now
+    try:
+        queue = f"test.outbox.q.{broker.suffix}"
+        broker.channel.queue_declare(queue, durable=False)
+        broker._queues.append(queue)
+        broker.channel.queue_bind(queue, broker.exchange, routing_key="orders.created")
+        assert backend.publish(rows)[0].ok
+    finally:
+        backend.close()
+    [(method, _, _)] = broker.get_all(queue, 1)
+    assert method.routing_key == "orders.created"
+    # Declaring it again as durable topic succeeds only if that is what the backend made.
+    broker.channel.exchange_declare(broker.exchange, exchange_type="topic", durable=True)
+
+
+def test_unroutable_is_a_failure_even_though_the_broker_acks_it(broker: Broker) -> None:
+    queue = broker.queue("ORDER_CREATED")  # ORDER_PAID has no binding
+    rows = make_rows(2) + make_rows(2, event_type="ORDER_PAID", start=10) + make_rows(1, start=20)
+    with backend_for(broker) as backend:
+        results = backend.publish(rows)
+    assert [r.ok for r in results] == [True, True, False, False, True]
+    assert {results[2].reason, results[3].reason} == {Reason.UNROUTABLE}
+    assert "312 NO_ROUTE" in results[2].error
+    assert len(broker.get_all(queue, 3)) == 3
+
+
+def test_nack_from_a_full_reject_publish_queue(broker: Broker) -> None:
+    broker.queue("#", **{"x-max-length": 0, "x-overflow": "reject-publish"})
+    with backend_for(broker) as backend:
+        results = backend.publish(make_rows(3))
+    assert [r.reason for r in results] == [Reason.NACKED] * 3
+    assert all(not r.ok for r in results)
+
+
+def test_serialisation_failure_only_fails_that_row(broker: Broker) -> None:
+    queue = broker.queue("#")
+    rows = make_rows(3)
+    rows[1].payload = {"bad": object()}
+    with backend_for(broker) as backend:
+        results = backend.publish(rows)
+    assert [r.ok for r in results] == [True, False, True]
+    assert results[1].reason is Reason.SERIALISATION
+    assert len(broker.get_all(queue, 2)) == 2
+
+
+def test_timeout_when_the_broker_stops_answering(broker: Broker, proxied) -> None:
+    proxy, url = proxied
+    queue = broker.queue("#")
+    backend = backend_for(broker, url, confirm_timeout=0.5)
+    try:
+        backend.open()
+        proxy.pause()  # the broker gets the messages, its confirms never come back
+        results = backend.publish(make_rows(5))
+        assert [r.reason for r in results] == [Reason.TIMEOUT] * 5
+        assert "OUTBOX_CONFIRM_TIMEOUT" in results[0].error
+        proxy.resume()
+        # The late confirms of the first batch must not settle the second one.
+        later = backend.publish(make_rows(3, start=100))
+        assert [r.ok for r in later] == [True, True, True]
+    finally:
+        backend.close()
+    assert len(broker.get_all(queue, 8)) == 8  # timed out does not mean not delivered
+
+
+def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
+    broker: Broker, proxied
+) -> None:
+    proxy, url = proxied
+    queue = broker.queue("#")
+    backend = backend_for(broker, url, confirm_timeout=10)
+    try:
+        backend.open()
+        # Only about the first ten messages reach the broker; the rest wait in the proxy.
+        proxy.hold_upstream_after(10 * 400)
+        seen = proxy.downstream_bytes
+
+        def cut_once_confirms_came_back() -> None:
+            deadline = time.monotonic() + 10
+            while proxy.downstream_bytes == seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # let the confirms of what got through arrive
+            proxy.refuse()
+            proxy.cut()
+
+        cutter = threading.Thread(target=cut_once_confirms_came_back)
+        cutter.start()
+        results = backend.publish(make_rows(200))
+        cutter.join()
+        oks = [r.ok for r in results]
+        confirmed = oks.index(False)
+        assert confirmed >= 1
+        assert all(oks[:confirmed]) and not any(oks[confirmed:])
+        assert {r.reason for r in results[confirmed:]} == {Reason.CONNECTION_LOST}
+        assert Reason.CONNECTION_LOST.is_connection_level
+
+        # While the broker cannot be reached, publish fails fast and sends nothing.
+        proxy.resume()
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailable, match="cannot connect to RabbitMQ"):
+            backend.publish(make_rows(1, start=500))
+        assert time.monotonic() - started < 5
+
+        proxy.allow()
+        again = backend.publish(make_rows(4, start=1000))
+        assert [r.ok for r in again] == [True] * 4
+    finally:
+        backend.close()
+    delivered = len(broker.get_all(queue, confirmed + 4, timeout=2))
+    assert delivered >= confirmed + 4
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_broker_raises_quickly_with_a_masked_url(amqp_url: str) -> None:
+    url = f"amqp://app:s3cret@127.0.0.1:{_closed_port()}/%2F"
+    backend = PikaBackend(broker_url=url, exchange="never.declared", connect_timeout=3)
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable) as info:
+        backend.publish(make_rows(2))
+    assert time.monotonic() - started < 3
+    assert "s3cret" not in str(info.value)
+    assert "amqp://app:***@127.0.0.1" in str(info.value)
+    with pytest.raises(BrokerUnavailable):
+        backend.open()
+    backend.close()
+    backend.close()  # safe twice
+
+
+def test_passive_declare_of_a_missing_exchange_says_how_to_fix(broker: Broker) -> None:
+    backend = backend_for(broker, exchange_passive=True)
+    with pytest.raises(BrokerUnavailable, match="OUTBOX_EXCHANGE_PASSIVE = False"):
+        backend.open()
+    backend.close()
+    broker.declare_exchange()
+    queue = broker.queue("#")
+    with backend_for(broker, exchange_passive=True) as backend:
+        assert backend.publish(make_rows(1))[0].ok
+    assert len(broker.get_all(queue, 1)) == 1
+
+
+def test_channel_error_is_connection_lost_and_the_next_publish_reopens(broker: Broker) -> None:
+    queue = broker.queue("#")
+    with backend_for(broker) as backend:
+        assert backend.publish(make_rows(1))[0].ok
+        broker.channel.exchange_delete(broker.exchange)  # publishing now closes the channel
+        results = backend.publish(make_rows(2, start=10))
+        assert [r.reason for r in results] == [Reason.CONNECTION_LOST] * 2
+        broker.channel.queue_bind(queue, broker.declare_exchange(), routing_key="#")
+        assert backend.publish(make_rows(2, start=20))[0].ok
+
+
+def test_reconnects_after_the_broker_closed_an_idle_connection(broker: Broker, proxied) -> None:
+    proxy, url = proxied
+    queue = broker.queue("#")
+    with backend_for(broker, url) as backend:
+        assert backend.publish(make_rows(1))[0].ok
+        proxy.cut()  # while idle: noticed before the next batch is written
+        assert [r.ok for r in backend.publish(make_rows(3, start=10))] == [True] * 3
+    assert len(broker.get_all(queue, 4)) == 4
+
+
+def test_empty_batch_needs_no_broker() -> None:
+    assert PikaBackend(broker_url="amqp://127.0.0.1:1/").publish([]) == []
+
+
+def test_options_and_settings(amqp_url: str) -> None:
+    with override_settings(
+        OUTBOX_BROKER_URL="amqp://u:p@h:5672/v",
+        OUTBOX_EXCHANGE="events",
+        OUTBOX_EXCHANGE_TYPE="direct",
+        OUTBOX_EXCHANGE_PASSIVE=True,
+        OUTBOX_CONFIRM_TIMEOUT=3,
+        OUTBOX_CONNECT_TIMEOUT=4,
+        OUTBOX_BACKEND="django_outbox.backends.pika.PikaBackend",
+        OUTBOX_BACKEND_OPTIONS={"confirm_timeout": 7},
+    ):
+        backend = get_backend()
+    assert isinstance(backend, PikaBackend)
+    assert (backend.broker_url, backend.exchange, backend.exchange_type) == (
+        "amqp://u:p@h:5672/v",
+        "events",
+        "direct",
+    )
+    assert backend.exchange_passive is True
+    assert (backend.confirm_timeout, backend.connect_timeout) == (7.0, 4.0)
+    assert "p@" not in repr(backend)
+    with pytest.raises(TypeError, match="unknown options"):
+        PikaBackend(broker_url=amqp_url, heartbeat=5)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("", "is empty"),
+        ("http://guest:hunter2@rabbit:5672/", "not an amqp"),
+        ("redis://127.0.0.1:6379/0", "not an amqp"),
+    ],
+)
+def test_check_reports_a_bad_broker_url(url: str, problem: str) -> None:
+    with override_settings(OUTBOX_BROKER_URL=url, OUTBOX_BACKEND_OPTIONS={}):
+        [error] = PikaBackend.check()
+    assert error.id == Codes.BROKER_URL == "django_outbox.E005"
+    assert problem in error.msg
+    assert "hunter2" not in error.msg
+    assert "amqp://user:password@rabbitmq:5672/%2F" in error.hint
+
+
+@pytest.mark.parametrize(
+    "url", ["amqp://guest:guest@127.0.0.1:5672/%2F", "amqps://u:p@rabbit.example:5671/prod"]
+)
+def test_check_accepts_amqp_urls(url: str) -> None:
+    with override_settings(OUTBOX_BROKER_URL=url, OUTBOX_BACKEND_OPTIONS={}):
+        assert PikaBackend.check() == []
+
+
+def test_check_prefers_the_backend_option() -> None:
+    with override_settings(
+        OUTBOX_BROKER_URL="", OUTBOX_BACKEND_OPTIONS={"broker_url": "amqp://rabbit/"}
+    ):
+        assert PikaBackend.check() == []
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("amqp://guest:guest@127.0.0.1:5672/%2F", "amqp://guest:***@127.0.0.1:5672/%2F"),
+        (
+            "amqps://app:p%40ss@rabbit:5671/prod?heartbeat=30",
+            "amqps://app:***@rabbit:5671/prod?heartbeat=30",
+        ),
+        ("amqp://rabbit/", "amqp://rabbit/"),
+        ("amqp://user@rabbit/", "amqp://user@rabbit/"),
+        ("postgres://u:pw@db/app", "postgres://u:***@db/app"),
+        ("amqp://u:pw@rabbit:notaport/", "***"),
+        ("", ""),
+    ],
+)
+def test_mask_url(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
