@@ -1,0 +1,193 @@
+"""Helpers shared by the benchmark scripts: arguments, the sample message, timing, memory.
+
+Conventions (every script in bench/ follows them):
+
+* run from the repository root as a module: ``python -m bench.raw_pika [--smoke]``;
+* ``--smoke`` runs a few hundred messages: it proves the script works (CI, after a change),
+  the figure it prints means nothing;
+* ``--count N`` sets the number of messages, ``--url`` the broker (default ``AMQP_URL`` or
+  the local guest account), ``--repeat R`` keeps the best of R runs;
+* every figure is printed by :func:`report` as one aligned line: name, events/s, elapsed
+  seconds, peak RSS, and the ratio to the baseline when there is one;
+* every broker object a run needs is made by :func:`bench_exchange` with a unique name and
+  deleted afterwards, so benchmarks can run against a shared RabbitMQ.
+
+Numbers are only comparable on the same machine, broker and load; nothing here asserts a
+speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+DEFAULT_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+SMOKE_COUNT = 300
+DEFAULT_COUNT = 20_000
+
+# A realistic outbox event: the payload an order service emits, and the aggregate fields
+# that become headers. The raw baseline and the outbox benchmarks publish this same shape,
+# so the messages on the wire are the same size.
+SAMPLE_PAYLOAD: dict[str, Any] = {
+    "order_id": 1234567,
+    "customer_id": 98765,
+    "status": "CREATED",
+    "currency": "EUR",
+    "total": "129.90",
+    "items": [
+        {"sku": "SKU-000123", "quantity": 2, "price": "39.95"},
+        {"sku": "SKU-004567", "quantity": 1, "price": "50.00"},
+    ],
+    "shipping": {"country": "DE", "postcode": "10115", "method": "standard"},
+}
+SAMPLE_EVENT_TYPE = "ORDER_CREATED"
+SAMPLE_AGGREGATE_TYPE = "orders.Order"
+SAMPLE_OCCURRED_AT = datetime(2026, 5, 17, 8, 30, 15, 123456, tzinfo=timezone.utc)
+
+
+def sample_headers(sequence: int) -> dict[str, Any]:
+    """The headers an outbox event carries (django_outbox.message.encode_headers)."""
+    return {
+        "aggregate_type": SAMPLE_AGGREGATE_TYPE,
+        "aggregate_id": str(sequence),
+        "occurred_at": SAMPLE_OCCURRED_AT.isoformat(),
+        "attempt": 1,
+        "sequence": sequence,
+    }
+
+
+def parser(description: str, *, default_count: int = DEFAULT_COUNT) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help=f"only {SMOKE_COUNT} messages")
+    p.add_argument("--count", type=int, default=default_count, help="messages per run")
+    p.add_argument("--repeat", type=int, default=1, help="runs; the best one is reported")
+    p.add_argument("--url", default=DEFAULT_URL, help="AMQP URL (default: $AMQP_URL)")
+    return p
+
+
+def count_from(args: argparse.Namespace) -> int:
+    return SMOKE_COUNT if args.smoke else args.count
+
+
+# -- timing and memory -------------------------------------------------------------------
+@dataclass
+class Measurement:
+    name: str
+    count: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Stopwatch:
+    """``with Stopwatch() as t: ...``; then ``t.seconds`` (monotonic, high resolution)."""
+
+    def __enter__(self) -> Stopwatch:
+        self.started = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.started
+
+
+def best_of(repeat: int, run: Callable[[], float]) -> float:
+    """Run ``run`` (which returns events/s) ``repeat`` times and keep the fastest."""
+    return max(run() for _ in range(max(1, repeat)))
+
+
+def _proc_status_kib(field: str) -> int:
+    """A ``VmRSS``/``VmHWM`` figure of this process in KiB, read from /proc (Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def rss_mib() -> float:
+    """Current resident memory of this process, MiB (0 where /proc is missing)."""
+    return _proc_status_kib("VmRSS") / 1024
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far, MiB."""
+    peak = _proc_status_kib("VmHWM")
+    if not peak:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return peak / 1024
+
+
+def report(name: str, rate: float, *, baseline: float | None = None, count: int = 0) -> str:
+    """Print (and return) one result line; the ratio is ``rate / baseline``."""
+    parts = [f"{name:<40}", f"{rate:>10,.0f} events/s"]
+    if count:
+        parts.append(f"{count:>8,} msgs")
+    parts.append(f"peak RSS {peak_rss_mib():6.1f} MiB")
+    if baseline:
+        parts.append(f"ratio {rate / baseline:5.2f}")
+    line = "  ".join(parts)
+    print(line, flush=True)
+    return line
+
+
+# -- broker objects -----------------------------------------------------------------------
+@contextlib.contextmanager
+def bench_exchange(url: str = DEFAULT_URL, *, prefix: str = "bench") -> Iterator[str]:
+    """A unique durable topic exchange with one durable queue bound to ``#``; both are
+    deleted afterwards. Yields the exchange name.
+
+    The queue is durable and the messages persistent, so confirms cost what they cost in
+    production (RabbitMQ confirms a persistent message once it is written to disk).
+    """
+    import pika
+
+    name = f"{prefix}.{uuid.uuid4().hex[:10]}"
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.exchange_declare(name, exchange_type="topic", durable=True)
+        channel.queue_declare(name, durable=True)
+        channel.queue_bind(name, name, routing_key="#")
+        try:
+            yield name
+        finally:
+            channel.queue_delete(name)
+            channel.exchange_delete(name)
+    finally:
+        connection.close()
+
+
+def setup_django(settings_module: str | None = None) -> None:
+    """Configure Django for a benchmark that needs the models but no database.
+
+    With ``settings_module`` (or ``DJANGO_SETTINGS_MODULE``) that module is used; otherwise
+    a minimal in-memory configuration with django_outbox installed.
+    """
+    import django
+    from django.conf import settings
+
+    if settings_module:
+        os.environ["DJANGO_SETTINGS_MODULE"] = settings_module
+    if not settings.configured and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        settings.configure(
+            INSTALLED_APPS=["django.contrib.contenttypes", "django_outbox"],
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+            USE_TZ=True,
+            LOGGING_CONFIG=None,
+        )
+    django.setup()
