@@ -52,6 +52,9 @@ logger = logging.getLogger("django_outbox.backends.pika")
 SCHEMES = ("amqp", "amqps")
 # How long close() waits for the broker's close-ok before dropping the socket anyway.
 CLOSE_TIMEOUT = 2.0
+# Messages written between two turns of the I/O loop while a batch is being sent: the
+# socket is written (and the broker starts confirming) before the whole batch is built.
+FLUSH_EVERY = 50
 
 
 class PikaBackend(BaseBackend):
@@ -392,9 +395,9 @@ class PikaBackend(BaseBackend):
         self._return_errors = {}
         self._index_by_id = None
         self._lost = ""
+        self._unsettled = 0
         try:
             self._send(events, results, positions)
-            self._unsettled = len(positions)
             self._run(self._batch_done, self.confirm_timeout)
             if self._unsettled:
                 if self._lost:
@@ -434,6 +437,7 @@ class PikaBackend(BaseBackend):
         properties = spec.BasicProperties
         publish = channel.basic_publish
         append = positions.append
+        flush_every = FLUSH_EVERY
         for index, event in enumerate(events):
             try:
                 body = encode_body(event)
@@ -461,6 +465,15 @@ class PikaBackend(BaseBackend):
                         results[rest] = PublishResult.failed(Reason.CONNECTION_LOST, error)
                 break
             append(index)
+            self._unsettled += 1
+            if not len(positions) % flush_every:
+                # Let the broker start on what is written while the rest is being built.
+                self._poll()
+                if self._lost:
+                    for rest in range(index + 1, len(events)):
+                        if results[rest] is None:
+                            results[rest] = PublishResult.failed(Reason.CONNECTION_LOST, self._lost)
+                    break
         self._next_tag += len(positions)
 
     def _batch_done(self) -> bool:
