@@ -392,3 +392,29 @@ def test_check_prefers_the_backend_option() -> None:
 )
 def test_mask_url(url: str, masked: str) -> None:
     assert mask_url(url) == masked
+
+
+@pytest.mark.django_db(transaction=True)
+def test_relay_marks_rows_sent_only_when_confirmed(broker: Broker) -> None:
+    from django_outbox import outbox
+    from django_outbox.models import Status
+    from django_outbox.relay import Relay
+
+    queue = broker.queue("ORDER_CREATED")  # ORDER_PAID is unroutable
+    with outbox.atomic() as box:
+        for n in range(3):
+            box.emit(
+                "ORDER_CREATED", aggregate_type="orders.Order", aggregate_id=n, payload={"n": n}
+            )
+        box.emit("ORDER_PAID", aggregate_type="orders.Order", aggregate_id=9, payload={"n": 9})
+    relay = Relay(backend=backend_for(broker), batch_size=10)
+    try:
+        result = relay.run_batch()
+    finally:
+        relay.close()
+    assert result.found == 4
+    statuses = dict(OutboxEvent.objects.values_list("event_type", "status").distinct())
+    assert statuses == {"ORDER_CREATED": Status.SENT, "ORDER_PAID": Status.PENDING}
+    paid = OutboxEvent.objects.get(event_type="ORDER_PAID")
+    assert paid.retry_count == 1 and "[unroutable]" in paid.last_error
+    assert len(broker.get_all(queue, 3)) == 3
