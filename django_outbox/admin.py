@@ -369,7 +369,7 @@ def trend_chart(
         for i in sorted({0, len(buckets) // 4, len(buckets) // 2, 3 * len(buckets) // 4})
         if i < len(buckets)
     ]
-    labels.append({"x": f"{left + plot_w:.1f}", "text": _("now")})
+    labels.append({"x": f"{left + plot_w:.1f}", "text": str(_("now"))})
     return {
         "width": width,
         "height": height,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
-from numbers import Real
 from typing import Any
 
 from django.conf import settings
@@ -276,8 +275,9 @@ def check_skip_locked(
         if connection.vendor != "mysql":
             continue
         if not connection.features.has_select_for_update_skip_locked:
-            server = ("MariaDB " if connection.mysql_is_mariadb else "MySQL ") + ".".join(
-                str(p) for p in connection.mysql_version
+            mysql: Any = connection  # a django.db.backends.mysql DatabaseWrapper
+            server = ("MariaDB " if mysql.mysql_is_mariadb else "MySQL ") + ".".join(
+                str(p) for p in mysql.mysql_version
             )
             errors.append(
                 Error(
@@ -290,7 +290,7 @@ def check_skip_locked(
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and value > 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 @register()
@@ -300,7 +300,7 @@ def check_ordered_isolation(app_configs: Any = None, **kwargs: Any) -> list[Chec
         return []
     errors: list[CheckMessage] = []
     for alias in _outbox_aliases(None):
-        db = settings.DATABASES.get(alias, {})
+        db: dict[str, Any] = settings.DATABASES.get(alias, {})
         if not str(db.get("ENGINE", "")).endswith("mysql"):
             continue
         # Django's MySQL backend defaults to read committed; None keeps the server's

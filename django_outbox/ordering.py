@@ -23,6 +23,9 @@ from django.db.models import Exists, OuterRef, Q
 from .conf import outbox_settings
 
 if TYPE_CHECKING:
+    from django.db.models import QuerySet
+
+    from .models import OutboxEvent
     from .querysets import OutboxEventQuerySet
 
 # Plain ints, as in querysets.py (no import of models here).
@@ -78,7 +81,7 @@ def blocking_statuses(policy: str | None = None) -> tuple[int, ...]:
 
 def earlier_blockers(
     base: OutboxEventQuerySet, ordered: Ordered, policy: str | None = None
-) -> OutboxEventQuerySet:
+) -> QuerySet[OutboxEvent, Any]:
     """Earlier ordered rows of the outer row's aggregate that keep it from being a head.
 
     Meant for ``Exists(...)`` against an outer OutboxEvent query. The lookup is served by

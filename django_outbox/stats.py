@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -169,15 +169,15 @@ def format_age(seconds: float) -> str:
 
 
 def _iso(value: datetime | None) -> str | None:
-    return value.astimezone(UTC).isoformat() if value is not None else None
+    return value.astimezone(timezone.utc).isoformat() if value is not None else None
 
 
 def _aware_utc(value: Any) -> datetime:
     if isinstance(value, str):  # SQLite returns text
         value = datetime.fromisoformat(value)
     if value.tzinfo is None:  # MySQL/MariaDB and SQLite: naive UTC
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)  # type: ignore[no-any-return]
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
 
 
 def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
@@ -300,7 +300,7 @@ def collect(
 
 def _per_minute(queryset: Any, column: str) -> dict[datetime, int]:
     rows = (
-        queryset.annotate(minute=TruncMinute(column, tzinfo=UTC))
+        queryset.annotate(minute=TruncMinute(column, tzinfo=timezone.utc))
         .values_list("minute")
         .annotate(n=Count("id"))
         .order_by()
