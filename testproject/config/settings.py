@@ -7,6 +7,8 @@ no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 - ``AMQP_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F``; when set, the relay uses the
   pika backend (RabbitMQ), otherwise the in-memory (locmem) one.
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
+- ``OUTBOX_BACKEND``, ``OUTBOX_LEASE_SECONDS``, ``OUTBOX_CONFIRM_TIMEOUT``: what
+  ``manage.py demo`` sets for the relay processes it starts.
 """
 
 from pathlib import Path
@@ -22,6 +24,8 @@ env = environ.Env(
     AMQP_URL=(str, ""),
     OUTBOX_ORDERED=(bool, False),
     OUTBOX_BACKEND=(str, ""),
+    OUTBOX_LEASE_SECONDS=(float, 60.0),
+    OUTBOX_CONFIRM_TIMEOUT=(float, 10.0),
 )
 
 DEBUG = env("DEBUG")
@@ -39,6 +43,7 @@ INSTALLED_APPS = [
     "django_outbox",
     "orders",
     "points",
+    "demo",
 ]
 
 MIDDLEWARE = [
@@ -103,6 +108,10 @@ OUTBOX_BACKEND = env("OUTBOX_BACKEND") or (
     else "django_outbox.backends.locmem.LocmemBackend"
 )
 OUTBOX_ORDERED = env("OUTBOX_ORDERED")
+# The demo's relay processes run with a lease of seconds, so that the rows of the relay it
+# kills come back before the demo ends.
+OUTBOX_LEASE_SECONDS = env("OUTBOX_LEASE_SECONDS")
+OUTBOX_CONFIRM_TIMEOUT = env("OUTBOX_CONFIRM_TIMEOUT")
 OUTBOX_CONSUMER_QUEUE = "points.outbox"
 
 # The demo runs on one SQLite file by default: say so once, not on every command.

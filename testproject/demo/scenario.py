@@ -1,0 +1,736 @@
+"""The story ``manage.py demo`` tells: orders -> outbox -> relay -> broker -> points.
+
+Everything that can go wrong in the article goes wrong once, on purpose, for real:
+
+1. N orders are created with ``orders.services.create_order`` (order and event in one
+   transaction); one more is rolled back after its event was written.
+2. A real ``publish_outbox`` child process relays them in batches and is killed with SIGKILL
+   right after the broker confirmed one batch, before the relay marked it SENT.
+3. A consumer handles a few messages, commits, and loses its connection before its acks:
+   the broker delivers them again.
+4. The points consumer reads the broker: the re-deliveries are duplicates, suppressed by
+   the ledger's unique ``source_event_id``.
+5. A restarted ``publish_outbox`` sends the rest and, once the dead relay's lease ran out,
+   the killed batch a second time; it is stopped with SIGTERM.
+6. The consumer reads again: the killed batch comes back as duplicates.
+
+Then :func:`reconcile` compares orders, outbox rows and points rows. With RabbitMQ
+(``AMQP_URL``) the broker is RabbitMQ, on an exchange and queue named for this run and
+deleted at the end, and the consumer is a ``consume_outbox`` child process; without it,
+the broker is :class:`demo.broker.InProcessBroker` in this process and the consumer runs
+here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from django.core.management import call_command
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.migrations.executor import MigrationExecutor
+
+from django_outbox.consumer import Dispatcher, HandlerResult, Outcome, message_outcome
+from django_outbox.masking import mask_url
+from django_outbox.models import OutboxEvent, Status
+from orders.models import Order
+from orders.services import create_order
+from points.models import PointsLedger
+
+from . import backends
+from .broker import Delivery, InProcessBroker
+
+MANAGE = Path(__file__).resolve().parents[1] / "manage.py"
+AWARD = "points.handlers.AwardPointsHandler"
+PREFIX = "demo-"
+# The relay children's lease: long enough for a batch, short enough that the killed
+# relay's rows come back within the demo (the production default is 60 s).
+LEASE_SECONDS = 3.0
+CONFIRM_TIMEOUT = 2.0  # must stay below the lease (check django_outbox.E008)
+STEP_TIMEOUT = 90.0
+WIDTH = 92
+
+
+class DemoError(Exception):
+    """The demo could not run a step (a child failed, a service is missing)."""
+
+
+# -- the consumer's tally and the reconciliation -------------------------------------------
+@dataclass
+class Tally:
+    """Messages the points handler ran on, by outcome."""
+
+    handled: int = 0
+    processed: int = 0
+    duplicates: int = 0
+    failed: int = 0
+    other: int = 0  # unknown type, undecodable
+
+    def add(self, outcome: Outcome) -> None:
+        self.handled += 1
+        if outcome is Outcome.PROCESSED:
+            self.processed += 1
+        elif outcome is Outcome.DUPLICATE:
+            self.duplicates += 1
+        elif outcome is Outcome.FAILED:
+            self.failed += 1
+        else:
+            self.other += 1
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.handled + other.handled,
+            self.processed + other.processed,
+            self.duplicates + other.duplicates,
+            self.failed + other.failed,
+            self.other + other.other,
+        )
+
+    @classmethod
+    def from_summary(cls, line: str) -> Tally:
+        """Read ``consume_outbox``'s last line: ``12 message(s): processed 10, duplicate 2``."""
+        match = re.search(r"(\d+) message\(s\): (.*)$", line)
+        if match is None:
+            raise DemoError(f"consume_outbox printed no summary: {line!r}")
+        counts = {k: int(n) for k, n in re.findall(r"([a-z_-]+) (\d+)", match.group(2))}
+        tally = cls(
+            handled=int(match.group(1)),
+            processed=counts.pop(Outcome.PROCESSED.value, 0),
+            duplicates=counts.pop(Outcome.DUPLICATE.value, 0),
+            failed=counts.pop(Outcome.FAILED.value, 0),
+        )
+        counts.pop("dead-lettered", None)
+        tally.other = sum(counts.values())
+        return tally
+
+
+@dataclass
+class Figures:
+    """What the reconciliation compares; every number is this run's only."""
+
+    orders: int
+    events: int
+    sent: int
+    pending: int
+    dead: int
+    points_rows: int
+    lost: int  # orders without a points row
+    extra_points: int  # points rows beyond one per order
+    consumer: Tally
+    lost_acks: int  # messages committed by the crashing consumer, delivered again
+    killed_batch: int  # messages the killed relay had confirmed, sent again
+
+    @property
+    def expected_duplicates(self) -> int:
+        return self.lost_acks + self.killed_batch
+
+
+def reconcile(f: Figures) -> list[str]:
+    """The problems the figures show; an empty list means the story ended well."""
+    problems = []
+    if f.lost:
+        problems.append(f"{f.lost} order(s) never got their points: lost")
+    if f.extra_points:
+        problems.append(f"{f.extra_points} order(s) got their points more than once")
+    if f.points_rows != f.orders:
+        problems.append(f"{f.points_rows} points rows for {f.orders} orders")
+    if f.events != f.orders:
+        problems.append(f"{f.events} outbox events for {f.orders} orders")
+    if f.sent != f.events or f.pending or f.dead:
+        problems.append(f"outbox not fully sent: PENDING {f.pending}, SENT {f.sent}, DEAD {f.dead}")
+    if f.consumer.processed != f.points_rows:
+        problems.append(
+            f"the consumer committed {f.consumer.processed} events but the ledger holds "
+            f"{f.points_rows} rows"
+        )
+    if f.consumer.failed or f.consumer.other:
+        problems.append(
+            f"the consumer failed on {f.consumer.failed} message(s) and could not use "
+            f"{f.consumer.other}"
+        )
+    if f.consumer.duplicates != f.expected_duplicates:
+        problems.append(
+            f"{f.consumer.duplicates} duplicates suppressed, {f.expected_duplicates} expected"
+        )
+    return problems
+
+
+# -- child processes ---------------------------------------------------------------------
+class Child:
+    """A ``manage.py`` command in a child process; output goes to files in ``workdir``."""
+
+    def __init__(
+        self, name: str, args: list[str], *, env: dict[str, str], workdir: Path, echo: bool
+    ) -> None:
+        self.name = name
+        self._out = open(workdir / f"{name}.out", "w+b")  # noqa: SIM115 - closed in output()
+        self._err: IO[bytes] | None = None
+        if not echo:
+            self._err = open(workdir / f"{name}.err", "w+b")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, str(MANAGE), *args], env=env, stdout=self._out, stderr=self._err
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, signum: int, timeout: float = 30.0) -> int:
+        if self.running():
+            self.proc.send_signal(signum)
+        return self.proc.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise DemoError(f"{self.name} did not finish within {timeout:g} s") from None
+
+    def output(self) -> tuple[str, str]:
+        texts = []
+        for stream in (self._out, self._err):
+            if stream is None:
+                texts.append("")
+                continue
+            stream.flush()
+            stream.seek(0)
+            texts.append(stream.read().decode(errors="replace"))
+        return texts[0], texts[1]
+
+    def failure(self, what: str) -> DemoError:
+        out, err = self.output()
+        tail = "\n".join((out + err).strip().splitlines()[-15:])
+        return DemoError(f"{what} (pid {self.pid}, exit {self.proc.poll()}):\n{tail}")
+
+    def close(self) -> None:
+        if self.running():
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self._out, self._err):
+            if stream is not None:
+                stream.close()
+
+
+def wait_until(predicate: Callable[[], bool], *, child: Child, what: str) -> None:
+    """Poll ``predicate`` until true; fail if ``child`` exits first or time runs out."""
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while not predicate():
+        if not child.running():
+            raise child.failure(f"{child.name} exited before {what}")
+        if time.monotonic() > deadline:
+            raise child.failure(f"{child.name}: no {what} within {STEP_TIMEOUT:g} s")
+        time.sleep(0.05)
+
+
+# -- the two brokers ---------------------------------------------------------------------
+class Transport(Protocol):
+    description: str
+
+    def relay_env(self) -> dict[str, str]: ...
+
+    def waiting(self) -> int: ...
+
+    def crash_consumer(self, *, lose: int, unacked: int) -> tuple[Tally, int]: ...
+
+    def consume(self) -> Tally: ...
+
+    def close(self) -> None: ...
+
+
+def handle_delivery(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
+    results: list[HandlerResult] = dispatcher.process_message(
+        delivery.body,
+        message_id=delivery.message_id,
+        message_type=delivery.type,
+        headers=delivery.headers,
+        redelivered=delivery.redelivered,
+    )
+    return message_outcome(results)
+
+
+class EmbeddedTransport:
+    """The in-process broker; the consumer is this process."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.broker = InProcessBroker()
+        self.description = "the demo's in-process broker"
+
+    def relay_env(self) -> dict[str, str]:
+        return {
+            backends.INNER_ENV: "demo.broker.InProcessBrokerBackend",
+            **self.broker.client_env(),
+        }
+
+    def waiting(self) -> int:
+        return len(self.broker)
+
+    def crash_consumer(self, *, lose: int, unacked: int) -> tuple[Tally, int]:
+        lost = 0
+        for _ in range(lose):
+            delivery = self.broker.get()
+            if delivery is None:
+                break
+            self.broker.ack(delivery.tag)  # acknowledged, never handled
+            lost += 1
+        tally = Tally()
+        for _ in range(unacked):
+            delivery = self.broker.get()
+            if delivery is None:
+                break
+            tally.add(handle_delivery(self.dispatcher, delivery))  # committed, not acked
+        self.broker.recover()  # the connection drops: what was not acked goes back
+        return tally, lost
+
+    def consume(self) -> Tally:
+        tally = Tally()
+        while (delivery := self.broker.get()) is not None:
+            outcome = handle_delivery(self.dispatcher, delivery)
+            tally.add(outcome)
+            if outcome.acknowledge:
+                self.broker.ack(delivery.tag)
+            else:
+                self.broker.reject(delivery.tag)
+        return tally
+
+    def close(self) -> None:
+        self.broker.close()
+
+
+class RabbitTransport:
+    """RabbitMQ, on an exchange and queue of this run; the consumer is ``consume_outbox``."""
+
+    def __init__(
+        self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
+    ) -> None:
+        from django_outbox.consumer import Consumer
+
+        self.url = url
+        self.dispatcher = dispatcher
+        self.spawn = spawn
+        self.exchange = f"demo.{run_id}"
+        self.queue = f"demo.{run_id}.points"
+        self.description = (
+            f"RabbitMQ at {mask_url(url)} (exchange {self.exchange}, queue {self.queue}; "
+            "both deleted at the end)"
+        )
+        # Declared before anything is published, by the consumer's own code, so that the
+        # relay's first messages are routed (the relay publishes with mandatory=True).
+        self._consumer = Consumer(
+            handlers=[AWARD], url=url, queue=self.queue, exchange=self.exchange
+        )
+        self._declared = False
+        self._consumer.connect()
+        self._declared = True
+        self._consumer.close()
+
+    @contextmanager
+    def _channel(self) -> Iterator[Any]:
+        import pika
+
+        connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        try:
+            yield connection.channel()
+        finally:
+            if connection.is_open:
+                connection.close()
+
+    def relay_env(self) -> dict[str, str]:
+        return {
+            backends.INNER_ENV: "django_outbox.backends.pika.PikaBackend",
+            backends.EXCHANGE_ENV: self.exchange,
+        }
+
+    def waiting(self) -> int:
+        with self._channel() as channel:
+            return int(channel.queue_declare(self.queue, passive=True).method.message_count)
+
+    def crash_consumer(self, *, lose: int, unacked: int) -> tuple[Tally, int]:
+        lost = 0
+        tally = Tally()
+        with self._channel() as channel:
+            for _ in range(lose):
+                method, _props, _body = channel.basic_get(self.queue, auto_ack=False)
+                if method is None:
+                    break
+                channel.basic_ack(method.delivery_tag)  # acknowledged, never handled
+                lost += 1
+            for _ in range(unacked):
+                method, props, body = channel.basic_get(self.queue, auto_ack=False)
+                if method is None:
+                    break
+                delivery = Delivery(
+                    body=body,
+                    message_id=props.message_id,
+                    type=props.type,
+                    routing_key=method.routing_key,
+                    headers=dict(props.headers or {}),
+                    redelivered=method.redelivered,
+                )
+                tally.add(handle_delivery(self.dispatcher, delivery))  # committed, not acked
+        # The connection is closed with those messages unacknowledged: RabbitMQ requeues them.
+        return tally, lost
+
+    def consume(self) -> Tally:
+        child = self.spawn(
+            "consume_outbox",
+            [
+                "consume_outbox",
+                "--once",
+                "--queue",
+                self.queue,
+                "--exchange",
+                self.exchange,
+                "--handler",
+                AWARD,
+            ],
+        )
+        try:
+            if child.wait(STEP_TIMEOUT) != 0:
+                raise child.failure("consume_outbox failed")
+            out, _ = child.output()
+            lines = out.strip().splitlines()
+            return Tally.from_summary(lines[-1] if lines else "")
+        finally:
+            child.close()
+
+    def close(self) -> None:
+        if not self._declared:
+            return
+        with self._channel() as channel:
+            for queue in (self.queue, f"{self.queue}.dlq"):
+                channel.queue_delete(queue)
+            channel.exchange_delete(self.exchange)
+
+
+# -- the story ---------------------------------------------------------------------------
+class PaymentDeclined(Exception):
+    """Raised after create_order() returned, to roll the whole transaction back."""
+
+
+@dataclass
+class Demo:
+    orders: int = 100
+    duplicates: int = 5
+    inject_loss: int = 0
+    seed: int = 1
+    verbosity: int = 1
+    amqp_url: str = ""
+    workdir: Path = field(default_factory=Path)
+    write: Callable[[str], None] = print
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}{self.run_id}-"
+
+    @property
+    def batch_size(self) -> int:
+        return max(1, min(500, -(-self.orders // 10)))
+
+    @property
+    def kill_batch(self) -> int:
+        batches = -(-self.orders // self.batch_size)
+        return -(-batches // 2)
+
+    # -- output ----------------------------------------------------------------------------
+    def say(self, text: str, *, step: str = "", indent: str = "   ") -> None:
+        """A paragraph; a numbered step starts with a blank line."""
+        if step:
+            self.write("")
+        head = f"{step}. " if step else indent
+        self.write(textwrap.fill(text, WIDTH, initial_indent=head, subsequent_indent=indent))
+
+    def outbox_line(self) -> str:
+        c = self.status_counts()
+        return f"Outbox: PENDING {c[Status.PENDING]}, SENT {c[Status.SENT]}, DEAD {c[Status.DEAD]}."
+
+    # -- this run's rows -------------------------------------------------------------------
+    def run_events(self) -> Any:
+        return OutboxEvent.objects.filter(
+            aggregate_type="ORDER", aggregate_id__startswith=self.prefix
+        )
+
+    def status_counts(self) -> dict[int, int]:
+        counts = self.run_events().status_counts()
+        return {s: counts.get(s, 0) for s in (Status.PENDING, Status.SENT, Status.DEAD)}
+
+    # -- children --------------------------------------------------------------------------
+    def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
+        env = dict(os.environ)
+        env.update(PYTHONUNBUFFERED="1", **(extra_env or {}))
+        echo = self.verbosity >= 2
+        args = [*args, "--verbosity", "2" if echo else "0"]
+        return Child(name, args, env=env, workdir=self.workdir, echo=echo)
+
+    def start_relay(self, name: str, transport: Transport, *, pause_after: int = 0) -> Child:
+        env = {
+            "OUTBOX_BACKEND": "demo.backends.DemoRelayBackend",
+            "OUTBOX_LEASE_SECONDS": str(LEASE_SECONDS),
+            "OUTBOX_CONFIRM_TIMEOUT": str(CONFIRM_TIMEOUT),
+            backends.PAUSE_AFTER_ENV: str(pause_after),
+            backends.PAUSE_FILE_ENV: str(self.workdir / f"{name}.paused"),
+            **transport.relay_env(),
+        }
+        args = ["publish_outbox", "--batch-size", str(self.batch_size), "--interval", "200ms"]
+        return self.spawn(name, args, env)
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> list[str]:
+        """Tell the story; return the reconciliation's problems (empty: success)."""
+        started = time.monotonic()
+        migrated = migrate_if_needed()
+        self.clear_earlier_runs()
+        dispatcher = Dispatcher(handlers=[AWARD])
+        transport: Transport
+        if self.amqp_url:
+            transport = RabbitTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
+        else:
+            transport = EmbeddedTransport(dispatcher)
+        self.say(
+            f"The transactional outbox, end to end: {self.orders} orders, "
+            f"{describe_database()}, {transport.description}."
+            + (f" The database was migrated first ({migrated} migrations)." if migrated else ""),
+            indent="",
+        )
+        try:
+            figures = self.story(transport)
+        finally:
+            transport.close()
+        problems = reconcile(figures)
+        self.report(figures, problems, time.monotonic() - started)
+        return problems
+
+    def story(self, transport: Transport) -> Figures:
+        self.create_orders()
+        killed = self.kill_relay(transport)
+        crashed = self.crash_consumer(transport)
+        first = self.consume(transport, step="4")
+        self.restart_relay(transport, killed)
+        second = self.consume(transport, step="6")
+        return self.figures(
+            crashed + first + second, lost_acks=crashed.processed, killed_batch=len(killed)
+        )
+
+    def create_orders(self) -> None:
+        rng = random.Random(self.seed)
+        for i in range(1, self.orders + 1):
+            create_order(
+                user_id=rng.randint(1, 50),
+                amount=Decimal(rng.randint(500, 25000)) / 100,
+                number=f"{self.prefix}{i:05d}",
+            )
+        declined = f"{self.prefix}declined"
+        try:
+            with transaction.atomic():
+                create_order(user_id=1, amount=Decimal("10.00"), number=declined)
+                raise PaymentDeclined
+        except PaymentDeclined:
+            pass
+        announced = OutboxEvent.objects.filter(aggregate_id=declined).exists()
+        self.say(
+            f"Orders. create_order() saved {self.orders} orders, each with its ORDER_CREATED "
+            "event in the same database transaction; nothing is sent yet. One more order "
+            "failed after create_order() returned (payment declined) and its transaction "
+            "rolled back: "
+            + (
+                "its event row is STILL THERE."
+                if announced
+                else "its event went with it, so it is never announced."
+            ),
+            step="1",
+        )
+        self.say(self.outbox_line())
+
+    def kill_relay(self, transport: Transport) -> list[str]:
+        relay = self.start_relay("publish_outbox-1", transport, pause_after=self.kill_batch)
+        paused = self.workdir / "publish_outbox-1.paused"
+        try:
+            wait_until(paused.exists, child=relay, what=f"batch {self.kill_batch} confirmed")
+            report = json.loads(paused.read_text())
+            relay.signal(signal.SIGKILL)
+        finally:
+            relay.close()
+        confirmed: list[str] = report["confirmed"]
+        leased = self.run_events().pending().exclude(lease_token="").count()
+        self.say(
+            f"Relay. publish_outbox (pid {relay.pid}) claims batches of {self.batch_size} "
+            "rows, publishes them and marks them SENT only after the broker confirmed them. "
+            f"Right after the broker confirmed batch {report['batch']} ({len(confirmed)} "
+            "messages) the relay was killed with SIGKILL, before it could mark those rows "
+            "SENT.",
+            step="2",
+        )
+        self.say(
+            f"{self.outbox_line()} {leased} of the PENDING rows stay leased by the dead relay "
+            f"for {LEASE_SECONDS:g} s. Broker: {transport.waiting()} messages waiting."
+        )
+        return confirmed
+
+    def crash_consumer(self, transport: Transport) -> Tally:
+        waiting = transport.waiting()
+        lose = min(self.inject_loss, waiting)
+        unacked = min(self.duplicates, waiting - lose)
+        tally, lost = transport.crash_consumer(lose=lose, unacked=unacked)
+        self.say(
+            f"Consumer crash. A points consumer took {tally.handled} messages, committed their "
+            "points and lost its connection before acknowledging them: the broker keeps them "
+            "and delivers them again.",
+            step="3",
+        )
+        if lost:
+            self.say(
+                f"FAULT INJECTED (--inject-loss): {lost} more message(s) were acknowledged "
+                "without being handled, as by a consumer that acknowledges before it commits "
+                "and then crashes. The broker forgets them; only a reconciliation notices."
+            )
+        return tally
+
+    def consume(self, transport: Transport, *, step: str) -> Tally:
+        tally = transport.consume()
+        who = (
+            "consume_outbox (a child process)"
+            if isinstance(transport, RabbitTransport)
+            else "The points consumer"
+        )
+        counts = f"{tally.processed} processed, {tally.duplicates} duplicates" + (
+            f", {tally.failed} failed" if tally.failed else ""
+        )
+        why = (
+            "A duplicate hits the ledger's unique source_event_id: its transaction rolls "
+            "back, no points are written twice, and the message is acknowledged."
+            if step == "4"
+            else "The duplicates are the killed batch, suppressed the same way."
+        )
+        self.say(
+            f"Consumer. {who} read {tally.handled} messages: {counts}. {why}",
+            step=step,
+        )
+        return tally
+
+    def restart_relay(self, transport: Transport, killed: list[str]) -> None:
+        relay = self.start_relay("publish_outbox-2", transport)
+        try:
+            wait_until(
+                lambda: not self.run_events().pending().exists(),
+                child=relay,
+                what="every event SENT",
+            )
+            code = relay.signal(signal.SIGTERM)
+            out, _ = relay.output()
+        finally:
+            relay.close()
+        if code != 0:
+            raise relay.failure("publish_outbox did not stop cleanly on SIGTERM")
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        self.say(
+            f"Relay restarted. publish_outbox (pid {relay.pid}) sent the events never sent "
+            f"and, once the dead relay's lease ran out, the {len(killed)} events of the "
+            "killed batch again: the broker had them already, the outbox did not know. "
+            f"Stopped with SIGTERM, exit {code} ({summary.partition(': ')[2] or 'no summary'}).",
+            step="5",
+        )
+        self.say(self.outbox_line())
+
+    # -- the end ---------------------------------------------------------------------------
+    def figures(self, consumer: Tally, *, lost_acks: int, killed_batch: int) -> Figures:
+        counts = self.status_counts()
+        orders = Order.objects.filter(number__startswith=self.prefix)
+        ledger = PointsLedger.objects.filter(order_number__startswith=self.prefix)
+        points_rows = ledger.count()
+        return Figures(
+            orders=orders.count(),
+            events=self.run_events().count(),
+            sent=counts[Status.SENT],
+            pending=counts[Status.PENDING],
+            dead=counts[Status.DEAD],
+            points_rows=points_rows,
+            lost=orders.exclude(number__in=ledger.values("order_number")).count(),
+            extra_points=points_rows - ledger.values("order_number").distinct().count(),
+            consumer=consumer,
+            lost_acks=lost_acks,
+            killed_batch=killed_batch,
+        )
+
+    def report(self, f: Figures, problems: list[str], elapsed: float) -> None:
+        rows = [
+            ("orders created", str(f.orders), ""),
+            ("events SENT", str(f.sent), ""),
+            ("points rows", str(f.points_rows), ""),
+            ("messages handled", str(f.consumer.handled), ""),
+            (
+                "duplicates suppressed",
+                str(f.consumer.duplicates),
+                f"expected {f.expected_duplicates}: {f.lost_acks} lost acks + "
+                f"{f.killed_batch} of the killed batch",
+            ),
+            ("lost", str(f.lost), "orders without points"),
+            ("PENDING / SENT / DEAD", f"{f.pending} / {f.sent} / {f.dead}", ""),
+        ]
+        self.write("")
+        self.write("Reconciliation")
+        for label, value, note in rows:
+            self.write(f"  {label:<22}{value:>12}" + (f"   ({note})" if note else ""))
+        self.write("")
+        if problems:
+            self.say("FAILED: " + "; ".join(problems) + ".", indent="")
+            return
+        self.say(
+            "OK: every order got its points exactly once, although a relay died mid-way and "
+            f"{f.consumer.duplicates} messages arrived twice. ({elapsed:.1f} s)",
+            indent="",
+        )
+
+    def clear_earlier_runs(self) -> None:
+        """Remove what earlier demo runs wrote; refuse to run beside foreign PENDING rows."""
+        Order.objects.filter(number__startswith=PREFIX).delete()
+        PointsLedger.objects.filter(order_number__startswith=PREFIX).delete()
+        OutboxEvent.objects.filter(aggregate_type="ORDER", aggregate_id__startswith=PREFIX).delete()
+        foreign = OutboxEvent.objects.pending().count()
+        if foreign:
+            raise DemoError(
+                f"The outbox already holds {foreign} PENDING events that are not the demo's; "
+                "the demo's relay would send them too and its counts would not add up. Relay "
+                "them first (manage.py publish_outbox --once) or set DATABASE_URL to another "
+                "database."
+            )
+
+
+def migrate_if_needed(using: str = DEFAULT_DB_ALIAS) -> int:
+    """Apply unapplied migrations (a fresh clone's first command just works); how many."""
+    executor = MigrationExecutor(connections[using])
+    plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    if plan:
+        call_command("migrate", database=using, interactive=False, verbosity=0)
+    return len(plan)
+
+
+def describe_database(using: str = DEFAULT_DB_ALIAS) -> str:
+    conf = connections[using].settings_dict
+    vendor = connections[using].vendor
+    if vendor == "sqlite":
+        name = Path(str(conf["NAME"]))
+        with suppress(ValueError):
+            name = name.relative_to(Path.cwd())
+        return f"SQLite ({name})"
+    label = {"postgresql": "PostgreSQL", "mysql": "MySQL/MariaDB"}.get(vendor, vendor)
+    return f"{label} (database {conf['NAME']} on {conf.get('HOST') or 'localhost'})"
