@@ -20,7 +20,7 @@ same event waits on the row lock of the first and then fails as a duplicate.
 
 :class:`Consumer` (RabbitMQ, pika) acknowledges a message only after every handler for it
 committed or reported a duplicate; ``manage.py consume_outbox`` is a thin command over it.
-:func:`process_messages` feeds locmem messages through the handlers in-process (the demo).
+:func:`process_messages` feeds locmem messages through the handlers in-process (tests).
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def process_messages(
 ) -> list[list[HandlerResult]]:
     """Feed locmem messages (``django_outbox.backends.locmem.outbox``) through the handlers.
 
-    The in-process consumer of the demo and of tests: one list of results per message.
+    An in-process consumer for tests: one list of results per message.
     """
     dispatcher = dispatcher or Dispatcher()
     return [

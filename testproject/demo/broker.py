@@ -67,13 +67,10 @@ class InProcessBroker:
         self.rejected: list[Delivery] = []
         self.authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        host, port = self._listener.address
+        self.address = f"{host}:{port}"
         self._closed = False
         threading.Thread(target=self._accept, name="demo-broker", daemon=True).start()
-
-    @property
-    def address(self) -> str:
-        host, port = self._listener.address
-        return f"{host}:{port}"
 
     def client_env(self) -> dict[str, str]:
         """Environment variables that point an InProcessBrokerBackend at this broker."""
@@ -201,7 +198,7 @@ class InProcessBrokerBackend(BaseBackend):
             )
         try:
             self._conn = Client((host, int(port)), authkey=bytes.fromhex(self.authkey))
-        except (OSError, ValueError) as exc:
+        except (OSError, EOFError, ValueError, AuthenticationError) as exc:
             raise BrokerUnavailable(
                 f"cannot reach the demo broker at {self.address}: {exc}"
             ) from exc

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from django.core.management import call_command
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.migrations.executor import MigrationExecutor
 
 from django_outbox.consumer import Dispatcher, HandlerResult, Outcome, message_outcome
@@ -322,6 +322,8 @@ class RabbitTransport:
     def __init__(
         self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
     ) -> None:
+        import pika.exceptions
+
         from django_outbox.consumer import Consumer
 
         self.url = url
@@ -339,7 +341,13 @@ class RabbitTransport:
             handlers=[AWARD], url=url, queue=self.queue, exchange=self.exchange
         )
         self._declared = False
-        self._consumer.connect()
+        try:
+            self._consumer.connect()
+        except pika.exceptions.AMQPError as exc:
+            raise DemoError(
+                f"Cannot reach RabbitMQ at {mask_url(url)} ({type(exc).__name__}: {exc}). "
+                "Check AMQP_URL, or unset it to run on the in-process broker."
+            ) from exc
         self._declared = True
         self._consumer.close()
 
@@ -498,7 +506,13 @@ class Demo:
     def run(self) -> list[str]:
         """Tell the story; return the reconciliation's problems (empty: success)."""
         started = time.monotonic()
-        migrated = migrate_if_needed()
+        try:
+            migrated = migrate_if_needed()
+        except OperationalError as exc:
+            raise DemoError(
+                f"Cannot use the database, {describe_database()}: {exc}. Check DATABASE_URL "
+                "and that the database exists (e.g. createdb demo)."
+            ) from exc
         self.clear_earlier_runs()
         dispatcher = Dispatcher(handlers=[AWARD])
         transport: Transport

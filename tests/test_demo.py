@@ -1,0 +1,227 @@
+"""``manage.py demo``: the README's first command, in both modes, and its reconciliation."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pika
+import pytest
+
+from demo.broker import InProcessBroker, InProcessBrokerBackend
+from demo.scenario import Figures, Tally, reconcile
+from django_outbox.backends.base import BrokerUnavailable
+from django_outbox.consumer import ConsumeResult, Outcome
+from django_outbox.models import OutboxEvent, Status
+from points.models import PointsLedger
+from tests.consumer_utils import make_event
+from tests.utils.subprocess import MANAGE, django_env
+
+TIMEOUT = 180
+
+
+def run_demo(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(MANAGE), "demo", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+def figure(out: str, label: str) -> str:
+    """The value of one reconciliation row, e.g. ``figure(out, "lost") == "0"``."""
+    match = re.search(rf"^  {re.escape(label)} +(\S+(?: / \S+)*)", out, re.MULTILINE)
+    assert match, f"no {label!r} row in:\n{out}"
+    return match.group(1)
+
+
+def embedded_env(tmp_path) -> dict[str, str]:
+    """What a newcomer has after `pip install -e '.[dev]'`: no services configured."""
+    env = {k: v for k, v in os.environ.items() if k not in {"AMQP_URL", "DJANGO_SETTINGS_MODULE"}}
+    env.pop("TEST_DATABASE_NAME", None)
+    env.update(DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}", PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_embedded_demo_migrates_a_fresh_database_and_reconciles(tmp_path):
+    env = embedded_env(tmp_path)
+    done = run_demo(env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    prose = " ".join(out.split())  # the story is wrapped at 92 columns
+    assert "in-process broker" in prose
+    assert "The database was migrated first" in prose
+    assert "killed with SIGKILL" in prose
+    assert figure(out, "orders created") == "100"
+    assert figure(out, "events SENT") == "100"
+    assert figure(out, "points rows") == "100"
+    # 5 lost acks + the killed batch (10 of 100) delivered twice, each suppressed.
+    assert figure(out, "duplicates suppressed") == "15"
+    assert figure(out, "messages handled") == "115"
+    assert figure(out, "lost") == "0"
+    assert figure(out, "PENDING / SENT / DEAD") == "0 / 100 / 0"
+    assert "OK: every order got its points exactly once" in prose
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_embedded_demo_exits_1_when_messages_are_lost(tmp_path):
+    """--inject-loss acks messages unhandled: the reconciliation must catch it."""
+    env = embedded_env(tmp_path)
+    done = run_demo("--orders", "20", "--duplicates", "3", "--inject-loss", "2", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    assert "FAULT INJECTED" in out
+    prose = " ".join(out.split())
+    assert figure(out, "orders created") == "20"
+    assert figure(out, "events SENT") == "20"  # the outbox did its part...
+    assert figure(out, "points rows") == "18"  # ...the consumer lost two
+    assert figure(out, "lost") == "2"
+    assert "FAILED: 2 order(s) never got their points: lost" in prose
+    assert "reconciliation does not add up" in done.stderr
+    # A second run on the same database starts clean and no longer needs migrating.
+    again = run_demo("--orders", "10", "--duplicates", "1", env=env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "migrated" not in again.stdout
+    assert figure(again.stdout, "orders created") == "10"
+    assert figure(again.stdout, "lost") == "0"
+
+
+@pytest.mark.amqp
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor):
+    """The same story on this run's database (PostgreSQL or MariaDB) and real RabbitMQ."""
+    env = django_env(AMQP_URL=amqp_url, DJANGO_SETTINGS_MODULE="config.settings")
+    done = run_demo("--orders", "40", "--duplicates", "3", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    prose = " ".join(out.split())  # the story is wrapped at 92 columns
+    assert "RabbitMQ at amqp://guest:***@" in prose
+    assert "consume_outbox (a child process)" in prose
+    assert figure(out, "orders created") == "40"
+    assert figure(out, "points rows") == "40"
+    # Batches of 4; batch 5 is confirmed, then the relay is killed: 3 + 4 duplicates.
+    assert figure(out, "duplicates suppressed") == "7"
+    assert figure(out, "lost") == "0"
+    assert figure(out, "PENDING / SENT / DEAD") == "0 / 40 / 0"
+    assert PointsLedger.objects.count() == 40
+    assert OutboxEvent.objects.filter(status=Status.SENT).count() == 40
+    # The run's exchange and queues are gone.
+    exchange = re.search(r"exchange (demo\.[0-9a-f]+)", prose).group(1)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        for name, declare in [
+            (exchange, lambda ch, n: ch.exchange_declare(n, passive=True)),
+            (f"{exchange}.points", lambda ch, n: ch.queue_declare(n, passive=True)),
+            (f"{exchange}.points.dlq", lambda ch, n: ch.queue_declare(n, passive=True)),
+        ]:
+            channel = connection.channel()
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
+                declare(channel, name)
+            assert info.value.reply_code == 404, name
+    finally:
+        connection.close()
+
+
+# -- the pieces ----------------------------------------------------------------------------
+def good_figures(**changes) -> Figures:
+    values = dict(
+        orders=10,
+        events=10,
+        sent=10,
+        pending=0,
+        dead=0,
+        points_rows=10,
+        lost=0,
+        extra_points=0,
+        consumer=Tally(handled=13, processed=10, duplicates=3),
+        lost_acks=1,
+        killed_batch=2,
+    )
+    values.update(changes)
+    return Figures(**values)
+
+
+@pytest.mark.once
+def test_reconcile_accepts_a_story_that_adds_up():
+    assert reconcile(good_figures()) == []
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"lost": 1, "points_rows": 9}, "1 order(s) never got their points: lost"),
+        ({"extra_points": 1, "points_rows": 11}, "1 order(s) got their points more than once"),
+        ({"points_rows": 9}, "9 points rows for 10 orders"),
+        ({"events": 11, "sent": 11}, "11 outbox events for 10 orders"),
+        ({"sent": 9, "pending": 1}, "outbox not fully sent: PENDING 1, SENT 9, DEAD 0"),
+        ({"sent": 9, "dead": 1}, "outbox not fully sent: PENDING 0, SENT 9, DEAD 1"),
+        (
+            {"consumer": Tally(handled=13, processed=9, duplicates=3, failed=1)},
+            "the consumer failed on 1 message(s)",
+        ),
+        ({"consumer": Tally(handled=12, processed=10, duplicates=2)}, "2 duplicates suppressed"),
+    ],
+)
+def test_reconcile_names_what_does_not_add_up(changes, expected):
+    problems = reconcile(good_figures(**changes))
+    assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.once
+def test_tally_reads_the_consume_outbox_summary():
+    result = ConsumeResult()
+    for outcome in [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2 + [Outcome.FAILED]:
+        result.add(outcome)
+    result.dead_lettered = 1
+    tally = Tally.from_summary(f"consume_outbox stopped: {result.summary()}")
+    assert tally == Tally(handled=7, processed=4, duplicates=2, failed=1, other=0)
+
+
+@pytest.mark.once
+def test_in_process_broker_confirms_and_redelivers_what_was_not_acked():
+    broker = InProcessBroker()
+    backend = InProcessBrokerBackend(**_client(broker))
+    try:
+        first, second = make_event(pk=1), make_event(pk=2)
+        results = backend.publish([first, second])
+        assert [r.ok for r in results] == [True, True]
+        assert len(broker) == 2
+        taken = broker.get()
+        assert taken.message_id == first.event_id and taken.headers["sequence"] == 1
+        broker.recover()  # the consumer's connection dropped before its ack
+        again = broker.get()
+        assert (again.message_id, again.redelivered) == (first.event_id, True)
+        broker.ack(again.tag)
+        assert broker.get().message_id == second.event_id
+    finally:
+        backend.close()
+        broker.close()
+
+
+@pytest.mark.once
+def test_in_process_broker_backend_failures():
+    broker = InProcessBroker()
+    wrong_key = InProcessBrokerBackend(address=broker.address, authkey="00" * 16)
+    with pytest.raises(BrokerUnavailable):
+        wrong_key.open()
+    backend = InProcessBrokerBackend(**_client(broker))
+    backend.open()
+    broker.close()
+    with pytest.raises(BrokerUnavailable):
+        InProcessBrokerBackend(**_client(broker)).open()
+    backend.close()
+    with pytest.raises(BrokerUnavailable, match="only works in the relay processes"):
+        InProcessBrokerBackend(address="", authkey="").open()
+
+
+def _client(broker: InProcessBroker) -> dict[str, str]:
+    return {"address": broker.address, "authkey": broker.authkey.hex()}
