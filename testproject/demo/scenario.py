@@ -57,10 +57,6 @@ from .broker import Delivery, InProcessBroker
 MANAGE = Path(__file__).resolve().parents[1] / "manage.py"
 AWARD = "points.handlers.AwardPointsHandler"
 PREFIX = "demo-"
-# The relay children's lease: long enough for a batch, short enough that the killed
-# relay's rows come back within the demo (the production default is 60 s).
-LEASE_SECONDS = 3.0
-CONFIRM_TIMEOUT = 2.0  # must stay below the lease (check django_outbox.E008)
 STEP_TIMEOUT = 90.0
 WIDTH = 92
 
@@ -244,6 +240,12 @@ def wait_until(predicate: Callable[[], bool], *, child: Child, what: str) -> Non
 # -- the two brokers ---------------------------------------------------------------------
 class Transport(Protocol):
     description: str
+    # The relay children's lease: long enough for a batch, short enough that the killed
+    # relay's rows come back within the demo (the production default is 60 s). The confirm
+    # timeout must stay below it (check django_outbox.E008); a confirm that times out would
+    # be retried and delivered once more than the reconciliation expects.
+    lease_seconds: float
+    confirm_timeout: float
 
     def relay_env(self) -> dict[str, str]: ...
 
@@ -269,6 +271,9 @@ def handle_delivery(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
 
 class EmbeddedTransport:
     """The in-process broker; the consumer is this process."""
+
+    lease_seconds = 3.0
+    confirm_timeout = 2.0
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -318,6 +323,11 @@ class EmbeddedTransport:
 
 class RabbitTransport:
     """RabbitMQ, on an exchange and queue of this run; the consumer is ``consume_outbox``."""
+
+    # Room for a slow confirm on a busy machine; the consume_outbox run before the restart
+    # takes a few seconds of the lease anyway.
+    lease_seconds = 6.0
+    confirm_timeout = 5.0
 
     def __init__(
         self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
@@ -493,8 +503,8 @@ class Demo:
     def start_relay(self, name: str, transport: Transport, *, pause_after: int = 0) -> Child:
         env = {
             "OUTBOX_BACKEND": "demo.backends.DemoRelayBackend",
-            "OUTBOX_LEASE_SECONDS": str(LEASE_SECONDS),
-            "OUTBOX_CONFIRM_TIMEOUT": str(CONFIRM_TIMEOUT),
+            "OUTBOX_LEASE_SECONDS": str(transport.lease_seconds),
+            "OUTBOX_CONFIRM_TIMEOUT": str(transport.confirm_timeout),
             backends.PAUSE_AFTER_ENV: str(pause_after),
             backends.PAUSE_FILE_ENV: str(self.workdir / f"{name}.paused"),
             **transport.relay_env(),
@@ -587,16 +597,18 @@ class Demo:
         confirmed: list[str] = report["confirmed"]
         leased = self.run_events().pending().exclude(lease_token="").count()
         self.say(
-            f"Relay. publish_outbox (pid {relay.pid}) claims batches of {self.batch_size} "
-            "rows, publishes them and marks them SENT only after the broker confirmed them. "
-            f"Right after the broker confirmed batch {report['batch']} ({len(confirmed)} "
-            "messages) the relay was killed with SIGKILL, before it could mark those rows "
-            "SENT.",
+            f"Relay. publish_outbox (pid {relay.pid}) claims batches of "
+            f"{n(self.batch_size, 'row')}, publishes them and marks them SENT only after the "
+            "broker confirmed them. "
+            f"Right after the broker confirmed batch {report['batch']} "
+            f"({n(len(confirmed), 'message')}) the relay was killed with SIGKILL, before it "
+            "could mark those rows SENT.",
             step="2",
         )
         self.say(
             f"{self.outbox_line()} {leased} of the PENDING rows stay leased by the dead relay "
-            f"for {LEASE_SECONDS:g} s. Broker: {transport.waiting()} messages waiting."
+            f"for {transport.lease_seconds:g} s. "
+            f"Broker: {n(transport.waiting(), 'message')} waiting."
         )
         return confirmed
 
@@ -606,16 +618,17 @@ class Demo:
         unacked = min(self.duplicates, waiting - lose)
         tally, lost = transport.crash_consumer(lose=lose, unacked=unacked)
         self.say(
-            f"Consumer crash. A points consumer took {tally.handled} messages, committed their "
-            "points and lost its connection before acknowledging them: the broker keeps them "
-            "and delivers them again.",
+            f"Consumer crash. A points consumer took {n(tally.handled, 'message')}, "
+            "committed their points and lost its connection before acknowledging them: the "
+            "broker keeps them and delivers them again.",
             step="3",
         )
         if lost:
             self.say(
-                f"FAULT INJECTED (--inject-loss): {lost} more message(s) were acknowledged "
-                "without being handled, as by a consumer that acknowledges before it commits "
-                "and then crashes. The broker forgets them; only a reconciliation notices."
+                f"FAULT INJECTED (--inject-loss): {n(lost, 'more message')} "
+                f"{'was' if lost == 1 else 'were'} acknowledged without being handled, as "
+                "by a consumer that acknowledges before it commits and then crashes. The "
+                "broker forgets them; only a reconciliation notices."
             )
         return tally
 
@@ -626,7 +639,7 @@ class Demo:
             if isinstance(transport, RabbitTransport)
             else "The points consumer"
         )
-        counts = f"{tally.processed} processed, {tally.duplicates} duplicates" + (
+        counts = f"{tally.processed} processed, {n(tally.duplicates, 'duplicate')}" + (
             f", {tally.failed} failed" if tally.failed else ""
         )
         why = (
@@ -636,7 +649,7 @@ class Demo:
             else "The duplicates are the killed batch, suppressed the same way."
         )
         self.say(
-            f"Consumer. {who} read {tally.handled} messages: {counts}. {why}",
+            f"Consumer. {who} read {n(tally.handled, 'message')}: {counts}. {why}",
             step=step,
         )
         return tally
@@ -658,7 +671,7 @@ class Demo:
         summary = out.strip().splitlines()[-1] if out.strip() else ""
         self.say(
             f"Relay restarted. publish_outbox (pid {relay.pid}) sent the events never sent "
-            f"and, once the dead relay's lease ran out, the {len(killed)} events of the "
+            f"and, once the dead relay's lease ran out, the {n(len(killed), 'event')} of the "
             "killed batch again: the broker had them already, the outbox did not know. "
             f"Stopped with SIGTERM, exit {code} ({summary.partition(': ')[2] or 'no summary'}).",
             step="5",
@@ -710,7 +723,7 @@ class Demo:
             return
         self.say(
             "OK: every order got its points exactly once, although a relay died mid-way and "
-            f"{f.consumer.duplicates} messages arrived twice. ({elapsed:.1f} s)",
+            f"{n(f.consumer.duplicates, 'message')} arrived twice. ({elapsed:.1f} s)",
             indent="",
         )
 
@@ -727,6 +740,11 @@ class Demo:
                 "them first (manage.py publish_outbox --once) or set DATABASE_URL to another "
                 "database."
             )
+
+
+def n(count: int, noun: str) -> str:
+    """``n(1, "message")`` is "1 message", ``n(2, "message")`` "2 messages"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def migrate_if_needed(using: str = DEFAULT_DB_ALIAS) -> int:
