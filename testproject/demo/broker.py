@@ -22,9 +22,11 @@ import itertools
 import json
 import os
 import secrets
+import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
@@ -70,7 +72,8 @@ class InProcessBroker:
         host, port = self._listener.address
         self.address = f"{host}:{port}"
         self._closed = False
-        threading.Thread(target=self._accept, name="demo-broker", daemon=True).start()
+        self._thread = threading.Thread(target=self._accept, name="demo-broker", daemon=True)
+        self._thread.start()
 
     def client_env(self) -> dict[str, str]:
         """Environment variables that point an InProcessBrokerBackend at this broker."""
@@ -138,7 +141,15 @@ class InProcessBroker:
             return len(self._ready)
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
+        # Closing a listening socket does not wake a thread blocked in accept(): a
+        # connection does, and the loop then sees the flag.
+        host, _, port = self.address.rpartition(":")
+        with suppress(OSError):
+            socket.create_connection((host, int(port)), timeout=1).close()
+        self._thread.join(timeout=5)
         self._listener.close()
 
 

@@ -24,6 +24,7 @@ here too.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -53,6 +54,8 @@ from points.models import PointsLedger
 
 from . import backends
 from .broker import Delivery, InProcessBroker
+
+logger = logging.getLogger("demo")
 
 MANAGE = Path(__file__).resolve().parents[1] / "manage.py"
 AWARD = "points.handlers.AwardPointsHandler"
@@ -432,12 +435,24 @@ class RabbitTransport:
             child.close()
 
     def close(self) -> None:
+        import pika.exceptions
+
         if not self._declared:
             return
-        with self._channel() as channel:
-            for queue in (self.queue, f"{self.queue}.dlq"):
-                channel.queue_delete(queue)
-            channel.exchange_delete(self.exchange)
+        try:
+            with self._channel() as channel:
+                for queue in (self.queue, f"{self.queue}.dlq"):
+                    channel.queue_delete(queue)
+                channel.exchange_delete(self.exchange)
+        except pika.exceptions.AMQPError:
+            logger.warning(
+                "could not delete the demo's exchange %s and queues %s, %s.dlq; delete them "
+                "by hand",
+                self.exchange,
+                self.queue,
+                self.queue,
+                exc_info=True,
+            )
 
 
 # -- the story ---------------------------------------------------------------------------
