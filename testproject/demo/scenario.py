@@ -345,8 +345,8 @@ class RabbitTransport:
         self.exchange = f"demo.{run_id}"
         self.queue = f"demo.{run_id}.points"
         self.description = (
-            f"RabbitMQ at {mask_url(url)} (exchange {self.exchange}, queue {self.queue}; "
-            "both deleted at the end)"
+            f"RabbitMQ at {mask_url(url)} (exchange {self.exchange}, queue {self.queue} and "
+            "its .dlq, deleted at the end)"
         )
         # Declared before anything is published, by the consumer's own code, so that the
         # relay's first messages are routed (the relay publishes with mandatory=True).
