@@ -18,19 +18,19 @@ import hashlib
 import hmac
 import json
 import logging
-import re
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from .conf import outbox_settings
+from .masking import mask_webhook_url
 
 logger = logging.getLogger("django_outbox.alerts")
 
@@ -89,26 +89,6 @@ def headline(dead: Sequence[DeadLetter]) -> str:
 def split_rows(dead: Sequence[DeadLetter], max_rows: int) -> tuple[Sequence[DeadLetter], int]:
     """The rows to list and how many were left off."""
     return dead[:max_rows], max(0, len(dead) - max_rows)
-
-
-def mask_url(url: str) -> str:
-    """The URL with its secrets replaced by ``***``, for logs and error messages.
-
-    Webhook URLs carry their credential in the query (DingTalk ``access_token``, WeCom
-    ``key``) or in the path (Slack ``/services/T…/B…/secret``): every query value is
-    masked, and so is every path segment that looks like a token (8+ characters with a
-    digit, or 20+ characters), as well as a user:password part.
-    """
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    segments = [
-        "***" if (len(s) >= 8 and re.search(r"\d", s)) or len(s) >= 20 else s
-        for s in parts.path.split("/")
-    ]
-    query = "&".join(f"{k}=***" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
-    return urlunsplit((parts.scheme, host, "/".join(segments), query, ""))
 
 
 class BaseChannel:
@@ -303,7 +283,7 @@ class WebhookChannel(BaseChannel):
         self.headers = dict(headers or {})
 
     def __repr__(self) -> str:
-        return f"<WebhookChannel {self.shape} {mask_url(self.url)}>"
+        return f"<WebhookChannel {self.shape} {mask_webhook_url(self.url)}>"
 
     # --- message bodies ------------------------------------------------------------------
     def _markdown(self, dead: Sequence[DeadLetter], *, slack: bool = False) -> str:
@@ -378,7 +358,7 @@ class WebhookChannel(BaseChannel):
             method="POST",
             headers={"Content-Type": "application/json; charset=utf-8", **self.headers},
         )
-        where = f"{self.shape} webhook {mask_url(self.url)}"
+        where = f"{self.shape} webhook {mask_webhook_url(self.url)}"
         # `from None`: the chained urllib exceptions would print the request, token and all.
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:

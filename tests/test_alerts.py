@@ -28,10 +28,10 @@ from django_outbox.alerts import (
     WebhookChannel,
     build_channel,
     get_channels,
-    mask_url,
     notify_dead,
 )
 from django_outbox.checks import Codes, check_settings
+from django_outbox.masking import mask_webhook_url
 
 TOKEN = "s3cr3t-t0ken-1234567890"
 
@@ -371,7 +371,7 @@ def test_get_channels_builds_the_configured_channels():
     ],
 )
 def test_mask_url_hides_tokens(url, masked):
-    assert mask_url(url) == masked
+    assert mask_webhook_url(url) == masked
 
 
 # --- end to end: the relay's DEAD rows reach the webhook ---------------------------------

@@ -8,9 +8,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ...alerts import mask_url
 from ...conf import outbox_settings
 from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
+from ...masking import mask_url
 from ...relay import relay_signals
 from ..options import duration, non_negative_int, positive_int
 
