@@ -194,6 +194,26 @@ def test_serialisation_failure_only_fails_that_row(broker: Broker) -> None:
     assert len(broker.get_all(queue, 2)) == 2
 
 
+def test_headers_amqp_cannot_encode_fail_only_that_row(broker: Broker) -> None:
+    """JSON accepts a float or a 2**64 header, a routing map a 300-byte key; AMQP does
+    not, and pika raises while building the frame. That is the message's fault, not the
+    connection's: the row fails as SERIALISATION, the rest of the batch goes out and the
+    delivery tags stay in step."""
+    queue = broker.queue("#")
+    rows = make_rows(6)
+    rows[1].headers = {"schema_version": 1.5}
+    rows[3].headers = {"big": 2**64}
+    rows[4].event_type = "LONG"  # routed to a key longer than AMQP's 255 bytes
+    with backend_for(broker, routing_keys={"LONG": "k" * 300}) as backend:
+        results = backend.publish(rows)
+        assert [r.ok for r in results] == [True, False, True, False, False, True]
+        assert {results[i].reason for i in (1, 3, 4)} == {Reason.SERIALISATION}
+        assert "type float" in results[1].error
+        more = backend.publish(make_rows(3, start=10))
+    assert [r.ok for r in more] == [True, True, True]
+    assert len(broker.get_all(queue, 6)) == 6
+
+
 def test_timeout_when_the_broker_stops_answering(broker: Broker, proxied) -> None:
     proxy, url = proxied
     queue = broker.queue("#")

@@ -457,7 +457,13 @@ class PikaBackend(BaseBackend):
                 continue
             try:
                 publish(exchange, key, body, props, mandatory=True)
-            except pika.exceptions.AMQPError as exc:
+            except Exception as exc:
+                if channel.is_open and self._connection is not None and self._connection.is_open:
+                    # pika builds the whole frame before writing any of it, so on an open
+                    # channel this is the message's fault (a float or 2**64 header, a key
+                    # over 255 bytes) and nothing of it went out: fail this row only.
+                    results[index] = PublishResult.failed(Reason.SERIALISATION, _encode_error(exc))
+                    continue
                 # The channel went away under us (only possible if a callback ran).
                 error = f"publish failed: {_describe(exc)}"
                 for rest in range(index, len(events)):
@@ -545,6 +551,18 @@ def _describe(error: Any) -> str:
         return f"{error.reply_code} {error.reply_text}"
     text = str(error) or type(error).__name__
     return f"{type(error).__name__}: {text}" if not text.startswith(type(error).__name__) else text
+
+
+def _encode_error(exc: Exception) -> str:
+    """Why pika could not encode a message, without its bytes or the header's value."""
+    if isinstance(exc, pika.exceptions.UnsupportedAMQPFieldException) and exc.args:
+        kind = type(exc.args[-1]).__name__
+        return (
+            f"AMQP cannot encode the message: a header value of type {kind} has no AMQP "
+            "field type (use str, int, bool, Decimal, list, dict or None; e.g. a string for "
+            "a float)"
+        )
+    return f"AMQP cannot encode the message (headers or routing key): {type(exc).__name__}: {exc}"
 
 
 def _exchange_hint(error: Any, exchange: str, passive: bool) -> str:

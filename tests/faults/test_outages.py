@@ -126,6 +126,10 @@ def test_database_unreachable_for_a_while_relay_survives(broker, procs, record, 
 POISONS = {
     "unroutable": ({}, "unroutable"),  # no queue is bound for its routing key
     "nacked": ({}, "nacked"),  # routed only to a full reject-publish queue
+    # Headers that JSON and the table accept but AMQP cannot encode: pika raises while
+    # building the frame, on a channel that is perfectly fine.
+    "float header": ({"headers": {"schema_version": 1.5}}, "serialisation"),
+    "64-bit overflow header": ({"headers": {"big": 2**64}}, "serialisation"),
 }
 
 
