@@ -10,11 +10,13 @@ import os
 import random
 import signal
 import time
+from typing import Any
 
 import pytest
 
 from django_outbox.db import DbNow
 from django_outbox.models import OutboxEvent, Status
+from tests.utils.proxy import TcpProxy
 
 from .harness import check_invariants, counts, emit, snapshot, wait_for
 
@@ -110,67 +112,79 @@ def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings
     )
 
 
-def lease_expired(event_ids: set[str]) -> bool:
-    return not OutboxEvent.objects.filter(
-        event_id__in=event_ids, next_retry_time__gt=DbNow()
-    ).exists()
+def leases(event_ids: set[str]) -> list[str]:
+    """The lease tokens the rows are held under ('' for none)."""
+    return list(
+        OutboxEvent.objects.filter(event_id__in=event_ids).values_list("lease_token", flat=True)
+    )
 
 
-def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, procs, record):
-    """A relay frozen with confirms outstanding; another relay takes its rows over.
+@pytest.mark.parametrize("freeze", ["confirms in hand", "confirm wait expired"])
+def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, procs, record, freeze):
+    """Relay A is frozen (SIGSTOP) with a batch in flight. Once its lease has run out relay
+    B claims those rows and is itself waiting for their confirms when A is resumed
+    (SIGCONT) and settles its stale batch: that must change no row, B's claim included.
 
-    The frozen relay's confirm timeout is longer than the freeze (hence --skip-checks: the
-    system check rightly wants the lease longer than the confirm timeout), so when it
-    resumes the confirms are there and it tries to mark its batch SENT: as after a GC pause
-    between the confirms and the settle. The fence must make that a no-op.
+    "confirms in hand": A's confirm timeout is longer than the freeze (hence --skip-checks:
+    the system check rightly wants the lease longer than the confirm timeout), so A finds
+    its confirms on resuming and tries to mark the rows SENT, as after a GC pause between
+    the confirms and the settle. "confirm wait expired": the default timings; A's wait has
+    run out, so it tries to count a failed attempt against each row.
     """
     broker.bind_all()
-    tcp, _ = proxy
-    frozen, batch = _leased_by_a_waiting_relay(
-        proxy, procs, relay_args=("--skip-checks",), CONFIRM_TIMEOUT=60.0
-    )
+    tcp_a, _ = proxy
+    # A 6 s lease: B starts and delivers the rows A did not claim before A's lease ends.
+    options: dict[str, Any] = {"LEASE_SECONDS": 6.0}
+    if freeze == "confirms in hand":
+        options.update(relay_args=("--skip-checks",), CONFIRM_TIMEOUT=60.0)
+    frozen, batch = _leased_by_a_waiting_relay(proxy, procs, **options)
     frozen.signal(signal.SIGSTOP)
-    tcp.resume()  # the confirms now wait in the frozen relay's socket
-    wait_for(lambda: lease_expired(batch), timeout=30, what="the frozen relay's lease to end")
-    taker = procs.run("publish_outbox", "--once", name="taker")
-    assert taker.popen.returncode == 0, taker.tail()
-    assert counts()["sent"] == 301
-    before = snapshot()
-    frozen.signal(signal.SIGCONT)
-    wait_for(
-        lambda: "taken over by another relay" in frozen.stderr(),
-        timeout=30,
-        what="the resumed relay to settle its stale batch",
-        processes=procs,
-    )
-    assert frozen.stop() == 0, frozen.tail()
-    assert snapshot() == before
-    verdict = check_invariants(
-        "SIGSTOP past the lease, takeover, SIGCONT", broker, record, crashed=True
-    )
-    # Only the frozen relay's batch went out twice (it had reached the broker).
-    assert 0 < verdict.duplicates <= len(batch)
-
-
-def test_sigstop_while_awaiting_confirms_changes_nothing(broker, proxy, procs, record):
-    """The same freeze with the default timings: the confirm wait has expired on resume."""
-    broker.bind_all()
-    tcp, _ = proxy
-    frozen, batch = _leased_by_a_waiting_relay(proxy, procs)
-    frozen.signal(signal.SIGSTOP)
-    tcp.resume()
-    wait_for(lambda: lease_expired(batch), timeout=30, what="the frozen relay's lease to end")
-    taker = procs.run("publish_outbox", "--once", name="taker")
-    assert taker.popen.returncode == 0, taker.tail()
-    before = snapshot()
-    frozen.signal(signal.SIGCONT)
-    time.sleep(1.0)  # it settles its expired batch (fenced) and polls again
-    assert frozen.stop() == 0, frozen.tail()
-    assert snapshot() == before
+    tcp_a.resume()  # A's confirms now wait in its socket
+    (token_a,) = set(leases(batch))
+    tcp_b, url_b = TcpProxy.for_url(broker.url)
+    try:
+        taker = procs.relay(
+            "--batch-size",
+            "500",
+            name="taker",
+            BROKER_URL=url_b,
+            LEASE_SECONDS=20.0,
+            CONFIRM_TIMEOUT=10.0,
+        )
+        # B delivers what A had not claimed, then is held waiting for confirms of A's rows.
+        wait_for(
+            lambda: counts()["sent"] == 201, timeout=60, what="B's first pass", processes=procs
+        )
+        tcp_b.pause()
+        wait_for(
+            lambda: "" not in (held := set(leases(batch))) and token_a not in held,
+            timeout=30,
+            what="B to take A's rows over",
+            processes=procs,
+        )
+        before = snapshot()
+        passes = frozen.stderr().count("] found=")
+        frozen.signal(signal.SIGCONT)
+        wait_for(
+            lambda: frozen.stderr().count("] found=") > passes,
+            timeout=30,
+            what="A to settle its stale batch",
+            processes=procs,
+        )
+        assert snapshot() == before, "the resumed relay changed rows another relay holds"
+        if freeze == "confirms in hand":
+            assert "taken over by another relay" in frozen.stderr()
+        tcp_b.resume()
+        wait_for(lambda: counts()["sent"] == 301, timeout=30, what="B's settle", processes=procs)
+        assert frozen.stop() == 0, frozen.tail()
+        assert taker.stop() == 0, taker.tail()
+    finally:
+        tcp_b.close()
     assert not OutboxEvent.objects.exclude(retry_count=0).exists()
     verdict = check_invariants(
-        "SIGSTOP awaiting confirms, takeover, SIGCONT", broker, record, crashed=True
+        f"SIGSTOP past the lease, takeover, SIGCONT ({freeze})", broker, record, crashed=True
     )
+    # Only A's batch went out twice (it had reached the broker before the freeze).
     assert verdict.duplicates <= len(batch)
 
 

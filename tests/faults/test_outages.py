@@ -56,6 +56,31 @@ def test_broker_cut_longer_than_the_schedule_burns_no_retries(broker, proxy, pro
     check_invariants("broker connection cut for 4 s mid-stream", broker, record, crashed=True)
 
 
+def test_broker_that_stops_answering_confirms_nothing_falsely(broker, proxy, procs, record):
+    """The broker keeps receiving but its answers are held back for 5 s: batches time out
+    (an attempt each, by design) and the held confirms of those old batches all arrive at
+    once afterwards, mixed with the new batches' ones. No late confirm may be matched to a
+    row it does not belong to, and the backlog drains after."""
+    broker.bind_all()
+    tcp, url = proxy
+    relay = procs.relay(
+        "--batch-size", "50", name="relay", BROKER_URL=url, RETRY_SCHEDULE=[0.5] * 10
+    )
+    emit(1)
+    wait_for(lambda: counts()["sent"] == 1, timeout=60, what="relay connected", processes=procs)
+    emit(500)
+    tcp.pause()
+    emit(500)
+    time.sleep(5)  # two batches time out (2 s confirm timeout), a third waits
+    tcp.resume()
+    emit(500)
+    wait_for(lambda: counts()["sent"] == 1501, timeout=60, what="the backlog", processes=procs)
+    assert relay.stop() == 0, relay.tail()
+    assert "(timeout)" in relay.stderr()
+    # A timed-out message did reach the queue: its retry is a duplicate, as after a crash.
+    check_invariants("broker answers held for 5 s (late confirms)", broker, record, crashed=True)
+
+
 def test_compensator_during_an_outage_exits_2_and_burns_nothing(broker, proxy, procs, record):
     broker.bind_all()
     tcp, url = proxy
