@@ -75,7 +75,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for vendor, v in _VERDICTS:
         verdict = "ok" if v.ok else "FAILED"
         if v.ok and v.duplicates:
-            verdict += " (duplicates after a crash)"
+            verdict += " (duplicates allowed: crash or lost confirm)"
         if v.unconfirmed_sent:
             verdict += f" ({len(v.unconfirmed_sent)} SENT unconfirmed)"
         tr.write_line(
