@@ -93,6 +93,37 @@ def _aggregate(
     )
 
 
+# AMQP 0-9-1 field tables (what RabbitMQ carries as message headers) have no JSON float in
+# pika's encoder, signed 64-bit integers only, and keys of at most 255 bytes. A header the
+# broker cannot carry would fail every publish of the row, so it is refused here, inside the
+# caller's transaction, where the business write can still roll back with it.
+_INT64 = range(-(2**63), 2**63)
+
+
+def _check_amqp_table(value: Any, path: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if len(key.encode()) > 255:
+                raise InvalidEvent(
+                    f"{path} key {key[:40]!r}... is longer than 255 bytes, the AMQP limit "
+                    "for a header name; use a shorter name."
+                )
+            _check_amqp_table(item, f"{path}[{key!r}]")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_amqp_table(item, f"{path}[{index}]")
+    elif isinstance(value, float):
+        raise InvalidEvent(
+            f"{path} is a float ({value!r}), which AMQP headers cannot carry through pika; "
+            "send it as a string (e.g. str(value) or a Decimal) or put it in the payload."
+        )
+    elif isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
+        raise InvalidEvent(
+            f"{path} is {value}, outside the signed 64-bit range AMQP headers carry; "
+            "send it as a string or put it in the payload."
+        )
+
+
 def build_event(
     event_type: str,
     *,
@@ -131,6 +162,7 @@ def build_event(
                 "itself. Rename your headers (e.g. prefix them with your service name)."
             )
         header_values = json.loads(_dumps(dict(headers), "headers"))
+        _check_amqp_table(header_values, "headers")
     else:
         raise InvalidEvent(f"headers must be a mapping, got {type(headers).__name__}.")
 

@@ -170,6 +170,9 @@ BAD_INPUT = [
     ({"event_type": "X", "payload": {}, "aggregate_id": "9" * 65}, InvalidEvent, "at most 64"),
     ({"event_type": "X", "payload": {}, "headers": {"attempt": 3}}, InvalidEvent, "may not use"),
     ({"event_type": "X", "payload": {}, "headers": ["a"]}, InvalidEvent, "mapping"),
+    ({"event_type": "X", "payload": {}, "headers": {"v": 1.5}}, InvalidEvent, "float"),
+    ({"event_type": "X", "payload": {}, "headers": {"t": {"n": [2**64]}}}, InvalidEvent, "64-bit"),
+    ({"event_type": "X", "payload": {}, "headers": {"k" * 256: 1}}, InvalidEvent, "255 bytes"),
     ({"event_type": "X", "payload": {}, "aggregate": "ORDER"}, InvalidEvent, "model instance"),
     ({"event_type": "X", "payload": {}, "occurred_at": "yesterday"}, InvalidEvent, "datetime"),
     ({"event_type": "X", "payload": "x" * 300_000}, PayloadTooLarge, "OUTBOX_MAX_PAYLOAD_BYTES"),
@@ -183,6 +186,13 @@ def test_bad_input_raises_and_rolls_back_the_business_write(kwargs, error, text)
         box.emit(kwargs.pop("event_type"), **kwargs)
     assert not Widget.objects.exists()
     assert not OutboxEvent.objects.exists()
+
+
+def test_headers_amqp_carries_are_accepted():
+    headers = {"tenant": "t1", "big": 2**63 - 1, "flag": True, "none": None, "n": {"l": [1, "a"]}}
+    with outbox.atomic() as box:
+        box.emit("X", payload={}, headers=headers)
+    assert OutboxEvent.objects.get().headers == headers
 
 
 def test_payload_limit_is_a_setting(settings):

@@ -152,7 +152,8 @@ POISONS = {
     "unroutable": ({}, "unroutable"),  # no queue is bound for its routing key
     "nacked": ({}, "nacked"),  # routed only to a full reject-publish queue
     # Headers that JSON and the table accept but AMQP cannot encode: pika raises while
-    # building the frame, on a channel that is perfectly fine.
+    # building the frame, on a channel that is perfectly fine. emit() refuses them, so the
+    # row is given them afterwards, as a row written by raw SQL or an older version would.
     "float header": ({"headers": {"schema_version": 1.5}}, "serialisation"),
     "64-bit overflow header": ({"headers": {"big": 2**64}}, "serialisation"),
 }
@@ -173,7 +174,8 @@ def test_poison_event_goes_dead_with_one_alert_while_others_flow(broker, procs, 
         )
     emit(20)
     with outbox.atomic() as box:
-        poison_id = box.emit("POISON", aggregate_type="FAULT", payload={}, **fields).event_id
+        poison_id = box.emit("POISON", aggregate_type="FAULT", payload={}).event_id
+    OutboxEvent.objects.filter(event_id=poison_id).update(**fields)
     emit(480)
     relay = procs.relay("--batch-size", "100", name="relay", RETRY_SCHEDULE=SHORT_SCHEDULE)
     emit(500)
