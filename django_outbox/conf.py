@@ -130,6 +130,16 @@ class OutboxSettings:
         "Ordered mode: a DEAD event's successors 'block' until it is requeued, or 'skip' it.",
     )
 
+    # --- Celery (django_outbox.backends.celery.CeleryBackend) ---------------------------
+    CELERY_APP: Setting[str] = Setting(
+        "",
+        "Dotted path of the project's Celery app, e.g. 'config.celery.app' ('' = current app).",
+    )
+    CELERY_TASKS: Setting[dict[str, str]] = Setting(
+        {},
+        "Map of event_type to Celery task name; other types go to OUTBOX_EXCHANGE as messages.",
+    )
+
     # --- compensation, dead letters, purge -----------------------------------------------
     COMPENSATE_STALE_AFTER: Setting[float] = Setting(
         600.0, "compensate_outbox takes only PENDING rows created at least this long ago (s)."

@@ -11,6 +11,11 @@ A message carries the payload as its JSON body and everything else in AMQP prope
 ``attempt``         1 for the first publish of the row, 2 for its first retry, ...
 ``sequence``        the outbox row id: increasing in commit order per database
 =================  ===========================================================
+
+A Celery task message (``django_outbox.backends.celery.CeleryBackend`` with a task
+configured for the event type) carries the same fields as one JSON-compatible argument,
+the *task envelope* built by :func:`encode_task_envelope`: ``event_id``, ``event_type``,
+``payload`` and ``headers`` (the headers above included).
 """
 
 from __future__ import annotations
@@ -51,6 +56,20 @@ def encode_headers(event: OutboxEvent) -> dict[str, Any]:
     return headers
 
 
+def encode_task_envelope(event: OutboxEvent) -> dict[str, Any]:
+    """The event as the single argument of a Celery task (plain JSON types only)."""
+    # Through the JSON encoder and back: Decimal, datetime and UUID become strings, as they
+    # would in a message body, whatever serializer the Celery app uses.
+    payload = json.loads(encode_body(event))
+    headers = json.loads(json.dumps(encode_headers(event), cls=DjangoJSONEncoder))
+    return {
+        "event_id": event.event_id,
+        "event_type": event.event_type,
+        "payload": payload,
+        "headers": headers,
+    }
+
+
 @dataclass(frozen=True)
 class ReceivedEvent:
     """An event as a consumer sees it, rebuilt from a delivered message."""
@@ -88,6 +107,38 @@ def decode(
         payload = json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise UndecodableMessage(f"message {message_id} body is not JSON: {exc}") from exc
+    return _received(message_id, message_type, payload, headers, redelivered)
+
+
+def decode_task_envelope(envelope: Any, *, redelivered: bool = False) -> ReceivedEvent:
+    """Rebuild the event from a Celery task's argument (see :func:`encode_task_envelope`)."""
+    if isinstance(envelope, ReceivedEvent):
+        return envelope
+    if not isinstance(envelope, Mapping):
+        raise UndecodableMessage(
+            f"a task argument of type {type(envelope).__name__} is not an outbox event "
+            "envelope (a dict with event_id, event_type, payload and headers)"
+        )
+    if not envelope.get("event_id"):
+        raise UndecodableMessage("the task envelope has no event_id")
+    if not envelope.get("event_type"):
+        raise UndecodableMessage(f"task envelope {envelope['event_id']} has no event_type")
+    return _received(
+        envelope["event_id"],
+        envelope["event_type"],
+        envelope.get("payload"),
+        envelope.get("headers"),
+        redelivered,
+    )
+
+
+def _received(
+    message_id: Any,
+    message_type: Any,
+    payload: Any,
+    headers: Mapping[str, Any] | None,
+    redelivered: bool,
+) -> ReceivedEvent:
     headers = dict(headers or {})
     own = {k: v for k, v in headers.items() if k not in RESERVED_HEADERS}
     occurred_raw = headers.get("occurred_at")

@@ -1,0 +1,258 @@
+"""CeleryBackend against the real RabbitMQ: task and plain messages, confirms, returns,
+nacks, channel errors, timeouts and lost connections; the relay keeps failed rows PENDING.
+
+Each test uses its own Celery app (never set as current) whose default queue and
+exchanges are uniquely named and deleted afterwards (tests.test_backend_pika.Broker).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+
+from django_outbox.backends import get_backend
+from django_outbox.backends.base import BrokerUnavailable, Reason
+from django_outbox.backends.celery import CeleryBackend, CeleryCodes
+from django_outbox.message import decode_task_envelope
+from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay import Relay
+from tests.outbox_rows import make_events
+from tests.test_backend_pika import Broker, make_rows
+from tests.utils.proxy import TcpProxy
+
+pytestmark = pytest.mark.amqp
+
+TASK = "tests.celery.award"
+
+
+@pytest.fixture
+def broker(amqp_url: str) -> Iterator[Broker]:
+    b = Broker(amqp_url)
+    yield b
+    b.close()
+
+
+def make_app(url: str, queue: str, **conf: object) -> Celery:
+    """A Celery app of its own whose default queue is ``queue`` (see task_queue())."""
+    app = Celery(f"test-{uuid.uuid4().hex[:6]}", broker=url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, **conf)
+    return app
+
+
+def task_queue(broker: Broker) -> str:
+    """A queue name the backend's app declares when sending (deleted with the broker)."""
+    name = f"test.outbox.celery.{uuid.uuid4().hex[:10]}"
+    broker._queues.append(name)
+    return name
+
+
+def backend_for(broker: Broker, app: Celery | None = None, **options: object) -> CeleryBackend:
+    """No tasks unless given (the testproject maps ORDER_CREATED to one)."""
+    options.setdefault("confirm_timeout", 5)
+    options.setdefault("connect_timeout", 5)
+    options.setdefault("tasks", {})
+    app = app or make_app(broker.url, task_queue(broker))
+    return CeleryBackend(app=app, exchange=broker.exchange, **options)
+
+
+@pytest.mark.once
+def test_plain_messages_are_the_pika_wire_format(broker):
+    queue = broker.queue("ORDER_CREATED")
+    rows = make_rows(3)
+    with backend_for(broker) as backend:
+        results = backend.publish(rows)
+    assert [r.ok for r in results] == [True] * 3
+    messages = broker.get_all(queue, 3)
+    assert [m[1].message_id for m in messages] == [r.event_id for r in rows]
+    _method, props, body = messages[0]
+    assert props.type == "ORDER_CREATED"
+    assert props.content_type == "application/json"
+    assert props.delivery_mode == 2
+    assert props.timestamp == int(rows[0].occurred_at.timestamp())
+    assert props.headers["aggregate_id"] == "A-1"
+    assert props.headers["trace_id"] == "t-1"
+    assert json.loads(body) == rows[0].payload
+
+
+@pytest.mark.once
+def test_task_messages_carry_the_envelope_and_the_event_id_as_task_id(broker):
+    queue = task_queue(broker)
+    rows = make_rows(2)
+    app = make_app(broker.url, queue)
+    with backend_for(broker, app, tasks={"ORDER_CREATED": TASK}) as backend:
+        results = backend.publish(rows)
+    assert [r.ok for r in results] == [True, True]
+    messages = broker.get_all(queue, 2)
+    assert len(messages) == 2
+    _method, props, body = messages[0]
+    assert props.headers["task"] == TASK
+    assert props.headers["id"] == rows[0].event_id
+    assert props.delivery_mode == 2
+    args, kwargs, _embed = json.loads(body)
+    assert kwargs == {}
+    event = decode_task_envelope(args[0])
+    assert (event.event_id, event.event_type) == (rows[0].event_id, "ORDER_CREATED")
+    assert event.payload == rows[0].payload
+    assert event.aggregate_id == "A-1"
+    assert event.occurred_at == rows[0].occurred_at
+    assert event.headers == {"trace_id": "t-1"}
+
+
+@pytest.mark.once
+def test_unroutable_and_nacked_fail_per_event_and_the_rest_is_confirmed(broker):
+    broker.queue("ORDER_CREATED")
+    full = broker.queue("FULL", **{"x-max-length": 0, "x-overflow": "reject-publish"})
+    assert full
+    rows = [
+        *make_rows(1, event_type="NOBODY_LISTENS"),
+        *make_rows(1, event_type="FULL", start=2),
+        *make_rows(2, start=3),
+    ]
+    with backend_for(broker) as backend:
+        results = backend.publish(rows)
+    assert [r.reason for r in results] == [Reason.UNROUTABLE, Reason.NACKED, None, None]
+    assert "NOBODY_LISTENS" in results[0].error
+    assert [r.ok for r in results[2:]] == [True, True]
+
+
+@pytest.mark.once
+def test_a_task_routed_to_a_missing_exchange_fails_alone(broker):
+    queue = task_queue(broker)
+    missing = f"test.outbox.missing.{uuid.uuid4().hex[:8]}"
+    app = make_app(
+        broker.url,
+        queue,
+        task_routes={"tests.celery.lost": {"exchange": missing, "routing_key": "x"}},
+    )
+    rows = [*make_rows(1, event_type="LOST"), *make_rows(1, start=2)]
+    tasks = {"LOST": "tests.celery.lost", "ORDER_CREATED": TASK}
+    with backend_for(broker, app, tasks=tasks) as backend:
+        results = backend.publish(rows)
+        again = backend.publish(make_rows(1, start=3))
+    assert results[0].reason is Reason.ERROR
+    assert "NOT_FOUND" in results[0].error or "404" in results[0].error
+    assert results[1].ok
+    assert again[0].ok
+    assert len(broker.get_all(queue, 2)) == 2
+
+
+@pytest.mark.once
+def test_a_task_routed_to_an_exchange_without_queue_is_unroutable(broker):
+    exchange = broker.declare_exchange(f"test.outbox.celery.x.{uuid.uuid4().hex[:8]}")
+    app = make_app(
+        broker.url,
+        task_queue(broker),
+        task_routes={TASK: {"exchange": exchange, "routing_key": "nobody"}},
+    )
+    with backend_for(broker, app, tasks={"ORDER_CREATED": TASK}) as backend:
+        results = backend.publish(make_rows(2))
+    assert [r.reason for r in results] == [Reason.UNROUTABLE, Reason.UNROUTABLE]
+
+
+@pytest.mark.once
+def test_unreachable_broker_raises_broker_unavailable_with_a_masked_url(broker):
+    proxy, url = TcpProxy.for_url(broker.url.replace("guest:guest", "guest:s3cret-pw"))
+    proxy.refuse()
+    try:
+        backend = backend_for(broker, make_app(url, task_queue(broker)), connect_timeout=2)
+        with pytest.raises(BrokerUnavailable) as info:
+            backend.publish(make_rows(1))
+        assert "s3cret-pw" not in str(info.value)
+    finally:
+        proxy.close()
+
+
+@pytest.mark.once
+def test_cut_connection_reports_the_rest_connection_lost_then_reconnects(broker):
+    queue = broker.queue("ORDER_CREATED")
+    proxy, url = TcpProxy.for_url(broker.url)
+    try:
+        backend = backend_for(broker, make_app(url, task_queue(broker)))
+        assert all(r.ok for r in backend.publish(make_rows(2)))
+        proxy.cut()
+        results = backend.publish(make_rows(3, start=3))
+        assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
+        assert all(r.reason.is_connection_level for r in results)  # type: ignore[union-attr]
+        backend.close()  # what the relay does after an outage
+        assert all(r.ok for r in backend.publish(make_rows(2, start=6)))
+        backend.close()
+    finally:
+        proxy.close()
+    assert len(broker.get_all(queue, 4)) == 4
+
+
+@pytest.mark.once
+def test_no_confirm_is_a_timeout_and_the_rest_is_not_sent(broker):
+    broker.queue("ORDER_CREATED")
+    proxy, url = TcpProxy.for_url(broker.url)
+    try:
+        backend = backend_for(broker, make_app(url, task_queue(broker)), confirm_timeout=1)
+        assert all(r.ok for r in backend.publish(make_rows(1)))
+        proxy.pause()
+        results = backend.publish(make_rows(3, start=2))
+        proxy.resume()
+        assert results[0].reason is Reason.TIMEOUT
+        assert [r.reason for r in results[1:]] == [Reason.CONNECTION_LOST] * 2
+        # A new connection: the late confirm of the timed-out message is not taken for
+        # the next message's.
+        assert all(r.ok for r in backend.publish(make_rows(2, start=5)))
+        backend.close()
+    finally:
+        proxy.close()
+
+
+@pytest.mark.once
+def test_checks_reject_a_broker_without_confirms_and_a_bad_app_path(settings):
+    settings.OUTBOX_BACKEND = "django_outbox.backends.celery.CeleryBackend"
+    settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.REDIS_APP"
+    errors = CeleryBackend.check()
+    assert [e.id for e in errors] == [CeleryCodes.APP]
+    assert "'redis' transport" in errors[0].msg
+    settings.OUTBOX_CELERY_APP = "tests.nowhere.app"
+    assert [e.id for e in CeleryBackend.check()] == [CeleryCodes.APP]
+    settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.AMQP_APP"
+    assert CeleryBackend.check() == []
+    with pytest.raises(BrokerUnavailable, match="no publisher confirms"):
+        CeleryBackend(app=REDIS_APP).open()
+
+
+REDIS_APP = Celery("redis-app", broker="redis://127.0.0.1:6379/0", set_as_current=False)
+AMQP_APP = Celery("amqp-app", broker="amqp://guest@127.0.0.1//", set_as_current=False)
+
+
+@pytest.mark.django_db
+def test_relay_keeps_nacked_and_unroutable_rows_pending_with_one_more_attempt(broker, settings):
+    broker.queue("ORDER_CREATED")
+    broker.queue("FULL", **{"x-max-length": 0, "x-overflow": "reject-publish"})
+    queue = task_queue(broker)
+    settings.OUTBOX_BACKEND = "django_outbox.backends.celery.CeleryBackend"
+    settings.OUTBOX_BACKEND_OPTIONS = {
+        "app": make_app(broker.url, queue),
+        "exchange": broker.exchange,
+        "tasks": {"TASKED": TASK},
+        "confirm_timeout": 5,
+    }
+    make_events(
+        {"event_type": "NOBODY_LISTENS"},
+        {"event_type": "FULL"},
+        {"event_type": "ORDER_CREATED"},
+        {"event_type": "TASKED"},
+    )
+    relay = Relay(backend=get_backend())
+    try:
+        result = relay.drain()
+    finally:
+        relay.close()
+    assert (result.sent, result.failed) == (2, 2)
+    by_type = {row.event_type: row for row in OutboxEvent.objects.all()}
+    for event_type, reason in (("NOBODY_LISTENS", "unroutable"), ("FULL", "nacked")):
+        row = by_type[event_type]
+        assert row.status == Status.PENDING
+        assert row.retry_count == 1
+        assert row.last_error.startswith(f"[{reason}]")
+    assert by_type["ORDER_CREATED"].status == Status.SENT
+    assert by_type["TASKED"].status == Status.SENT
