@@ -147,11 +147,14 @@ class IdempotentHandler:
             model = InboxMessage
         return router.db_for_write(model)
 
-    def run(self, event: ReceivedEvent) -> HandlerResult:
-        """Handle the event once, idempotently; never raises for a handler failure."""
-        name = self.handler_name()
+    def process(self, event: ReceivedEvent) -> Outcome:
+        """Handle the event once: PROCESSED, or DUPLICATE if it was handled before.
+
+        ``handle()`` and the record of ``source_event_id`` commit in one transaction; if
+        ``handle()`` raises, that transaction is rolled back and the exception propagates
+        (a Celery task retries on it, :meth:`run` turns it into FAILED).
+        """
         using = self.database()
-        result = {"handler": name, "event_id": event.event_id, "event_type": event.event_type}
         try:
             with transaction.atomic(using=using):
                 if self.dedup_model is None:
@@ -161,7 +164,7 @@ class IdempotentHandler:
                         # Its own savepoint: an IntegrityError here can only be the inbox's.
                         with transaction.atomic(using=using):
                             InboxMessage.objects.using(using).create(
-                                handler=name,
+                                handler=self.handler_name(),
                                 source_event_id=event.event_id,
                                 event_type=event.event_type,
                             )
@@ -169,14 +172,25 @@ class IdempotentHandler:
                         raise _Duplicate() from None
                 self.handle(event)
         except _Duplicate:
-            return HandlerResult(Outcome.DUPLICATE, **result)
-        except IntegrityError as exc:
+            return Outcome.DUPLICATE
+        except IntegrityError:
             if self.dedup_model is not None and self._already_recorded(event, using):
-                return HandlerResult(Outcome.DUPLICATE, **result)
-            return self._failed(event, exc, result)
+                return Outcome.DUPLICATE
+            raise
+        return Outcome.PROCESSED
+
+    def run(self, event: ReceivedEvent) -> HandlerResult:
+        """Handle the event once, idempotently; never raises for a handler failure."""
+        result = {
+            "handler": self.handler_name(),
+            "event_id": event.event_id,
+            "event_type": event.event_type,
+        }
+        try:
+            outcome = self.process(event)
         except Exception as exc:
             return self._failed(event, exc, result)
-        return HandlerResult(Outcome.PROCESSED, **result)
+        return HandlerResult(outcome, **result)
 
     def _already_recorded(self, event: ReceivedEvent, using: str) -> bool:
         # After the rollback: a committed row for this event means the violation was ours

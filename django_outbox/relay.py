@@ -38,7 +38,7 @@ from .conf import outbox_settings
 from .db import DbNow
 from .models import OutboxEvent, Status
 from .querysets import OutboxEventQuerySet
-from .retry import RetryPolicy, ScheduleRetryPolicy
+from .retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 
 logger = logging.getLogger("django_outbox.relay")
 
@@ -86,6 +86,16 @@ def due_source(queryset: OutboxEventQuerySet) -> OutboxEventQuerySet:
     return queryset.due()
 
 
+def stale_source(stale_after: float) -> Callable[[OutboxEventQuerySet], OutboxEventQuerySet]:
+    """What compensate_outbox claims: due rows created at least ``stale_after`` s ago."""
+
+    def source(queryset: OutboxEventQuerySet) -> OutboxEventQuerySet:
+        # due() leaves out rows a live relay holds: their lease keeps them in the future.
+        return queryset.due().stale(stale_after)
+
+    return source
+
+
 class Relay:
     """Moves committed outbox rows to the broker. Used by one thread.
 
@@ -115,6 +125,27 @@ class Relay:
         heartbeat = outbox_settings.HEARTBEAT_FILE if heartbeat_file is None else heartbeat_file
         self.heartbeat_path = Path(heartbeat) if heartbeat else None
         self._opened = False
+
+    @classmethod
+    def compensator(
+        cls,
+        *,
+        stale_after: float | None = None,
+        max_batch: int | None = None,
+        backend: BaseBackend | None = None,
+    ) -> Relay:
+        """The relay of one compensation pass (compensate_outbox, the Celery task): stale
+        PENDING rows only, the compensation retry policy. Drain it with
+        ``max_events=relay.batch_size``."""
+        stale_after = stale_after or outbox_settings.COMPENSATE_STALE_AFTER
+        max_batch = max_batch or outbox_settings.COMPENSATE_MAX_BATCH
+        return cls(
+            backend=backend if backend is not None else get_backend(),
+            batch_size=max_batch,
+            policy=FixedRetryPolicy.compensation(),
+            source=stale_source(stale_after),
+            job="compensate",
+        )
 
     # -- one batch -------------------------------------------------------------------------
     def queryset(self) -> OutboxEventQuerySet:

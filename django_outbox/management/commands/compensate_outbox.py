@@ -11,21 +11,12 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from ...backends import get_backend
-from ...conf import outbox_settings
 from ...exceptions import OutboxError
-from ...relay import BrokerOutage, Relay
-from ...retry import FixedRetryPolicy
+from ...relay import BrokerOutage, Relay, stale_source
 from ..options import duration, positive_int
 from .publish_outbox import configure_logging
 
-
-def stale_source(stale_after: float) -> Any:
-    def source(queryset: Any) -> Any:
-        # due() leaves out rows a live relay holds: their lease keeps them in the future.
-        return queryset.due().stale(stale_after)
-
-    return source
+__all__ = ["Command", "stale_source"]
 
 
 class Command(BaseCommand):
@@ -58,20 +49,12 @@ class Command(BaseCommand):
         **options: Any,
     ) -> None:
         configure_logging(verbosity)
-        stale_after = stale_after or outbox_settings.COMPENSATE_STALE_AFTER
-        max_batch = max_batch or outbox_settings.COMPENSATE_MAX_BATCH
         try:
-            relay = Relay(
-                backend=get_backend(),
-                batch_size=max_batch,
-                policy=FixedRetryPolicy.compensation(),
-                source=stale_source(stale_after),
-                job="compensate",
-            )
+            relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch)
         except (OutboxError, TypeError) as exc:
             raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         try:
-            result = relay.drain(max_events=max_batch)
+            result = relay.drain(max_events=relay.batch_size)
         except BrokerOutage as exc:
             raise CommandError(
                 f"compensate_outbox: the broker is unreachable ({exc}); the rows stay PENDING "
