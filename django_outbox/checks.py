@@ -27,6 +27,7 @@ class Codes:
     ALERTS = "django_outbox.E010"
     RETENTION = "django_outbox.W011"
     ORDERED_ISOLATION = "django_outbox.W012"
+    CELERY_APP = "django_outbox.E013"  # reported by backends.celery.CeleryBackend.check()
 
 
 class Messages:

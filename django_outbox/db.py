@@ -1,11 +1,15 @@
-"""Small database helpers shared by the model, the emit helper and the relay."""
+"""Small database helpers shared by the model, the emit helper, the relay and the tasks."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from django.conf import settings
-from django.db import connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.models.functions import Now
 
 
@@ -25,3 +29,58 @@ class DbNow(Now):
 
 def vendor(using: str) -> str:
     return connections[using].vendor
+
+
+# -- run-once locks ----------------------------------------------------------------------------
+# One lock per name per process on SQLite (which has no server-side locks and, per check
+# W004, runs one relay process anyway).
+_local_locks: dict[str, threading.Lock] = {}
+_local_locks_guard = threading.Lock()
+
+
+@contextmanager
+def run_lock(name: str, using: str | None = None) -> Iterator[bool]:
+    """Try to take a database-wide lock named ``name``; yield whether this run holds it.
+
+    Never waits: a run that does not get the lock should skip. The lock is a session-level
+    lock of the database server (``pg_try_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on
+    MySQL/MariaDB): it is held by the connection, not by a transaction, so the run may
+    commit as often as it likes, and it disappears with the connection if the process dies,
+    so there is no expiry to guess. On SQLite it is a lock of this process only.
+    """
+    using = using or DEFAULT_DB_ALIAS
+    connection = connections[using]
+    key = f"django_outbox.{name}.{connection.settings_dict.get('NAME')}"
+    acquire: tuple[str, list[Any]]
+    release: tuple[str, list[Any]]
+    if connection.vendor == "postgresql":
+        # Advisory locks live in a 64-bit key space shared by every user of the database.
+        number = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
+        acquire = ("SELECT pg_try_advisory_lock(%s)", [number])
+        release = ("SELECT pg_advisory_unlock(%s)", [number])
+    elif connection.vendor == "mysql":
+        # GET_LOCK names are server-wide (hence the database name in them), at most 64 chars.
+        lock_name = key if len(key) <= 64 else hashlib.sha256(key.encode()).hexdigest()
+        acquire = ("SELECT GET_LOCK(%s, 0)", [lock_name])
+        release = ("SELECT RELEASE_LOCK(%s)", [lock_name])
+    else:
+        with _local_locks_guard:
+            lock = _local_locks.setdefault(key, threading.Lock())
+        got = lock.acquire(blocking=False)
+        try:
+            yield got
+        finally:
+            if got:
+                lock.release()
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(*acquire)
+        row = cursor.fetchone()
+    got = bool(row and row[0])
+    try:
+        yield got
+    finally:
+        if got:
+            # The connection may be gone by now (then so is the lock).
+            with suppress(DatabaseError), connection.cursor() as cursor:
+                cursor.execute(*release)

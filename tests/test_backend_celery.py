@@ -16,7 +16,8 @@ from celery import Celery
 
 from django_outbox.backends import get_backend
 from django_outbox.backends.base import BrokerUnavailable, Reason
-from django_outbox.backends.celery import CeleryBackend, CeleryCodes
+from django_outbox.backends.celery import CeleryBackend
+from django_outbox.checks import Codes
 from django_outbox.message import decode_task_envelope
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
@@ -44,9 +45,11 @@ def make_app(url: str, queue: str, **conf: object) -> Celery:
 
 
 def task_queue(broker: Broker) -> str:
-    """A queue name the backend's app declares when sending (deleted with the broker)."""
+    """A queue the backend's app declares when sending, with a direct exchange of the same
+    name (both deleted with the broker)."""
     name = f"test.outbox.celery.{uuid.uuid4().hex[:10]}"
     broker._queues.append(name)
+    broker._exchanges.append(name)
     return name
 
 
@@ -210,10 +213,10 @@ def test_checks_reject_a_broker_without_confirms_and_a_bad_app_path(settings):
     settings.OUTBOX_BACKEND = "django_outbox.backends.celery.CeleryBackend"
     settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.REDIS_APP"
     errors = CeleryBackend.check()
-    assert [e.id for e in errors] == [CeleryCodes.APP]
+    assert [e.id for e in errors] == [Codes.CELERY_APP]
     assert "'redis' transport" in errors[0].msg
     settings.OUTBOX_CELERY_APP = "tests.nowhere.app"
-    assert [e.id for e in CeleryBackend.check()] == [CeleryCodes.APP]
+    assert [e.id for e in CeleryBackend.check()] == [Codes.CELERY_APP]
     settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.AMQP_APP"
     assert CeleryBackend.check() == []
     with pytest.raises(BrokerUnavailable, match="no publisher confirms"):

@@ -56,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from django.core.checks import CheckMessage, Error
 from django.utils.module_loading import import_string
 
+from ..checks import Codes
 from ..conf import outbox_settings
 from ..message import CONTENT_TYPE, encode_body, encode_headers, encode_task_envelope
 from .base import BaseBackend, BrokerUnavailable, PublishResult, Reason
@@ -67,10 +68,6 @@ logger = logging.getLogger("django_outbox.backends.celery")
 
 #: Celery transports with publisher confirms (py-amqp); "amqp" is Celery's alias of pyamqp.
 CONFIRMING_TRANSPORTS = ("amqp", "pyamqp", "amqps")
-
-
-class CeleryCodes:
-    APP = "django_outbox.E013"
 
 
 def load_app(path: str | celery.Celery | None = None) -> celery.Celery:
@@ -147,7 +144,7 @@ class CeleryBackend(BaseBackend):
                     f"The Celery app {path!r} cannot be loaded: {exc}.",
                     hint="Set OUTBOX_CELERY_APP to the dotted path of your Celery instance, "
                     "e.g. 'config.celery.app'.",
-                    id=CeleryCodes.APP,
+                    id=Codes.CELERY_APP,
                 )
             ]
         transport = _transport_name(app)
@@ -159,7 +156,7 @@ class CeleryBackend(BaseBackend):
                     hint="Use RabbitMQ as the Celery broker (amqp://...), or "
                     "OUTBOX_BACKEND = 'django_outbox.backends.pika.PikaBackend' with "
                     "OUTBOX_BROKER_URL.",
-                    id=CeleryCodes.APP,
+                    id=Codes.CELERY_APP,
                 )
             ]
         return []
@@ -278,6 +275,10 @@ class CeleryBackend(BaseBackend):
             name,
             args=[encode_task_envelope(event)],
             task_id=event.event_id,
+            # What worker logs and monitors show instead of the payload: no personal data
+            # in logs, and no repr of a large payload per message.
+            argsrepr=f"(<{event.event_type} event {event.event_id}>,)",
+            kwargsrepr="{}",
             producer=self._producer,
             add_to_parent=False,
             # The relay retries (with its backoff and lease); kombu must not block on it.

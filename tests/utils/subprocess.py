@@ -49,7 +49,8 @@ def database_url(alias: str = "default") -> str:
 
 
 def django_env(**extra: str) -> dict[str, str]:
-    """Environment for ``python testproject/manage.py ...`` using this test's database."""
+    """Environment for ``python testproject/manage.py ...`` using this test's database
+    (or the DATABASE_URL given in ``extra``)."""
     env = dict(os.environ)
     env.pop("TEST_DATABASE_NAME", None)
     paths = [str(ROOT), str(ROOT / "testproject")]
@@ -58,7 +59,7 @@ def django_env(**extra: str) -> dict[str, str]:
     env.update(
         DJANGO_SETTINGS_MODULE="tests.settings",
         PYTHONPATH=os.pathsep.join(paths),
-        DATABASE_URL=database_url(),
+        DATABASE_URL=extra.get("DATABASE_URL") or database_url(),
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)
