@@ -219,12 +219,17 @@ def test_checks_reject_a_broker_without_confirms_and_a_bad_app_path(settings):
     assert [e.id for e in CeleryBackend.check()] == [Codes.CELERY_APP]
     settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.AMQP_APP"
     assert CeleryBackend.check() == []
+    settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.FAILOVER_APP"
+    assert CeleryBackend.check() == []
     with pytest.raises(BrokerUnavailable, match="no publisher confirms"):
         CeleryBackend(app=REDIS_APP).open()
 
 
 REDIS_APP = Celery("redis-app", broker="redis://127.0.0.1:6379/0", set_as_current=False)
 AMQP_APP = Celery("amqp-app", broker="amqp://guest@127.0.0.1//", set_as_current=False)
+FAILOVER_APP = Celery(
+    "failover-app", broker="pyamqp://rabbit-1//;pyamqp://rabbit-2//", set_as_current=False
+)
 
 
 @pytest.mark.django_db

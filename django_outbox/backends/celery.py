@@ -28,6 +28,11 @@ one round trip per event; the pika backend pipelines them. Outcome of each messa
 * a channel error (e.g. a task routed to an exchange that does not exist): ERROR for that
   event, and a new channel for the next one.
 
+kombu's docstring calls ``mandatory`` unsupported; py-amqp passes it on, and since the
+broker sends ``basic.return`` before the ack that ``confirm_publish`` waits for, the return
+reaches :meth:`CeleryBackend._on_return` while the publish call is still waiting (the
+tests check this on a real RabbitMQ).
+
 Only RabbitMQ (the ``amqp``/``pyamqp`` transports) has publisher confirms: with any other
 Celery broker the backend refuses to publish and ``manage.py check`` says so (E013).
 
@@ -356,6 +361,9 @@ class CeleryBackend(BaseBackend):
 
 def _transport_name(app: celery.Celery) -> str:
     url = app.conf.broker_write_url or app.conf.broker_url or ""
+    if isinstance(url, list | tuple):  # failover URLs
+        url = url[0] if url else ""
+    url = str(url).split(";", 1)[0]
     transport = app.conf.broker_transport or (url.split("://", 1)[0] if "://" in url else "")
     return str(transport or "amqp").split("+", 1)[0].lower()
 
