@@ -8,6 +8,7 @@ exchanges are uniquely named and deleted afterwards (tests.test_backend_pika.Bro
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ from celery import Celery
 
 from django_outbox.backends import get_backend
 from django_outbox.backends.base import BrokerUnavailable, Reason
-from django_outbox.backends.celery import CeleryBackend
+from django_outbox.backends.celery import CLOSE_TIMEOUT, CeleryBackend
 from django_outbox.checks import Codes
 from django_outbox.message import decode_task_envelope
 from django_outbox.models import OutboxEvent, Status
@@ -205,6 +206,23 @@ def test_no_confirm_is_a_timeout_and_the_rest_is_not_sent(broker):
         assert all(r.ok for r in backend.publish(make_rows(2, start=5)))
         backend.close()
     finally:
+        proxy.close()
+
+
+@pytest.mark.once
+def test_close_does_not_hang_on_a_broker_that_stopped_answering(broker):
+    broker.queue("ORDER_CREATED")
+    proxy, url = TcpProxy.for_url(broker.url)
+    try:
+        backend = backend_for(broker, make_app(url, task_queue(broker)))
+        assert all(r.ok for r in backend.publish(make_rows(1)))
+        proxy.pause()
+        closing = threading.Thread(target=backend.close, daemon=True)
+        closing.start()
+        closing.join(CLOSE_TIMEOUT + 10)
+        assert not closing.is_alive()
+    finally:
+        proxy.resume()
         proxy.close()
 
 

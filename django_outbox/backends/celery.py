@@ -42,6 +42,7 @@ Importing this module imports Celery; nothing else in django_outbox does (beside
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections.abc import Sequence
@@ -71,6 +72,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_outbox.backends.celery")
 
+#: How long close() waits for the broker's close-ok before dropping the socket anyway.
+CLOSE_TIMEOUT = 2.0
 #: Celery transports with publisher confirms (py-amqp); "amqp" is Celery's alias of pyamqp.
 CONFIRMING_TRANSPORTS = ("amqp", "pyamqp", "amqps")
 
@@ -207,11 +210,15 @@ class CeleryBackend(BaseBackend):
 
     def _release(self, *, graceful: bool) -> None:
         connection, self._connection = self._connection, None
-        self._channel = self._producer = None
+        channel, self._channel, self._producer = self._channel, None, None
         self._exchange_declared = False
         if connection is None:
             return
         if graceful:
+            # py-amqp waits for the broker's close-ok without a timeout: bound it, or a
+            # broker that stopped answering keeps a stopping relay (or worker) forever.
+            with contextlib.suppress(Exception):
+                channel.connection.transport.sock.settimeout(CLOSE_TIMEOUT)
             try:
                 connection.release()
                 return
