@@ -210,6 +210,34 @@ def test_no_confirm_is_a_timeout_and_the_rest_is_not_sent(broker):
 
 
 @pytest.mark.once
+@pytest.mark.parametrize("tasks", [False, True], ids=["plain", "task"])
+def test_a_broker_that_stops_answering_before_the_first_declare_is_a_timeout(broker, tasks):
+    broker.queue("ORDER_CREATED")
+    proxy, url = TcpProxy.for_url(broker.url)
+    try:
+        backend = backend_for(
+            broker,
+            make_app(url, task_queue(broker)),
+            confirm_timeout=1,
+            tasks={"ORDER_CREATED": TASK} if tasks else {},
+        )
+        backend.open()
+        proxy.pause()  # the exchange (plain) or the queue (task) is declared on first use
+        results: list = []
+        publishing = threading.Thread(
+            target=lambda: results.extend(backend.publish(make_rows(2))), daemon=True
+        )
+        publishing.start()
+        publishing.join(20)
+        assert not publishing.is_alive()
+        assert [r.reason for r in results] == [Reason.TIMEOUT, Reason.CONNECTION_LOST]
+        backend.close()
+    finally:
+        proxy.resume()
+        proxy.close()
+
+
+@pytest.mark.once
 def test_close_does_not_hang_on_a_broker_that_stopped_answering(broker):
     broker.queue("ORDER_CREATED")
     proxy, url = TcpProxy.for_url(broker.url)

@@ -196,6 +196,10 @@ class CeleryBackend(BaseBackend):
                 "app's broker_url; the relay retries with backoff."
             ) from exc
         self._connection = connection
+        # Bound every read and write, not only the confirm wait: declaring the exchange or
+        # a task's queue is a round trip too, and py-amqp would wait for it forever.
+        with contextlib.suppress(Exception):
+            channel.connection.transport.sock.settimeout(self.confirm_timeout)
         self._use_channel(channel)
         logger.info("connected to the Celery broker at %s (app %s)", url, app.main)
 
