@@ -50,7 +50,7 @@ PURGE_TASK = "django_outbox.purge"
 PUBLISH_TASK = "django_outbox.publish"
 
 
-class IdempotentTask(Task):  # type: ignore[misc]  # celery has no type hints
+class IdempotentTask(Task):
     """Base class of a Celery task that consumes one outbox event, exactly once in effect.
 
     The task is called with the event envelope the Celery backend sends (or a
