@@ -9,9 +9,6 @@ no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
 - ``OUTBOX_BACKEND``, ``OUTBOX_LEASE_SECONDS``, ``OUTBOX_CONFIRM_TIMEOUT``: what
   ``manage.py demo`` sets for the relay processes it starts.
-- ``OUTBOX_BACKEND``: e.g. ``django_outbox.backends.celery.CeleryBackend`` to relay
-  through the Celery app of ``config/celery.py`` (broker ``CELERY_BROKER_URL``, else
-  ``AMQP_URL``); ``CELERY_TASK_DEFAULT_QUEUE`` names its queue (default ``celery``).
 """
 
 from pathlib import Path
@@ -29,8 +26,6 @@ env = environ.Env(
     OUTBOX_BACKEND=(str, ""),
     OUTBOX_LEASE_SECONDS=(float, 60.0),
     OUTBOX_CONFIRM_TIMEOUT=(float, 10.0),
-    CELERY_BROKER_URL=(str, ""),
-    CELERY_TASK_DEFAULT_QUEUE=(str, "celery"),
 )
 
 DEBUG = env("DEBUG")
@@ -124,11 +119,15 @@ OUTBOX_CELERY_APP = "config.celery.app"
 OUTBOX_CELERY_TASKS = {"ORDER_CREATED": "points.award_points"}
 
 # --- Celery (config/celery.py) -----------------------------------------------------------
-CELERY_BROKER_URL = env("CELERY_BROKER_URL") or AMQP_URL or "amqp://guest:guest@127.0.0.1:5672//"
+# OUTBOX_BACKEND=django_outbox.backends.celery.CeleryBackend relays through this app;
+# CELERY_BROKER_URL (else AMQP_URL) is its broker, CELERY_TASK_DEFAULT_QUEUE its queue.
+CELERY_BROKER_URL = (
+    env.str("CELERY_BROKER_URL", default="") or AMQP_URL or "amqp://guest:guest@127.0.0.1:5672//"
+)
 # Publisher confirms for everything the app sends (task retries included); the outbox's
 # Celery backend turns them on for its own connection regardless.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
-CELERY_TASK_DEFAULT_QUEUE = env("CELERY_TASK_DEFAULT_QUEUE")
+CELERY_TASK_DEFAULT_QUEUE = env.str("CELERY_TASK_DEFAULT_QUEUE", default="celery")
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TIMEZONE = TIME_ZONE
 
