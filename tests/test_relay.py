@@ -260,3 +260,25 @@ def test_compensation_source_takes_only_stale_rows():
     old = list(OutboxEvent.objects.order_by("id").values_list("id", flat=True)[:2])
     OutboxEvent.objects.filter(id__in=old).update(created_at=timezone.now() - timedelta(minutes=11))
     assert set(OutboxEvent.objects.due().stale(600).values_list("id", flat=True)) == set(old)
+
+
+def test_compensate_outbox_command_sends_stale_rows_and_exits_1_on_a_failure():
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    emit_many(4)
+    stale = list(OutboxEvent.objects.order_by("id").values_list("id", flat=True)[:3])
+    OutboxEvent.objects.filter(id__in=stale).update(
+        created_at=timezone.now() - timedelta(minutes=11)
+    )
+    locmem.fail_next.append(Reason.NACKED)
+    out = StringIO()
+    with pytest.raises(CommandError) as info:
+        call_command("compensate_outbox", "--stale-after", "10m", "--max-batch", "2", stdout=out)
+    assert info.value.returncode == 1
+    assert "compensate_outbox: found=2 sent=1 failed=1 dead=0" in out.getvalue()
+    failed = OutboxEvent.objects.get(id=stale[0])
+    assert (failed.status, failed.retry_count) == (Status.PENDING, 1)
+    assert list(OutboxEvent.objects.sent().values_list("id", flat=True)) == [stale[1]]
