@@ -54,9 +54,13 @@ class DeadLetter:
     aggregate_id: str
     retry_count: int
     last_error: str
+    #: Ordered mode: what the dead row means for its aggregate's later events ('' if none).
+    ordering: str = ""
 
     @classmethod
     def from_event(cls, event: Any) -> DeadLetter:
+        from . import ordering
+
         return cls(
             event_id=str(event.event_id),
             event_type=event.event_type,
@@ -64,6 +68,7 @@ class DeadLetter:
             aggregate_id=event.aggregate_id,
             retry_count=event.retry_count,
             last_error=event.last_error,
+            ordering=ordering.dead_head_note(event),
         )
 
     @property
@@ -76,10 +81,14 @@ class DeadLetter:
             f"event_id={self.event_id} event_type={self.event_type} "
             f"aggregate={self.aggregate_type}:{self.aggregate_id} "
             f"retry_count={self.retry_count} last_error={self.short_error}"
+            + (f" ordering={self.ordering}" if self.ordering else "")
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.ordering:
+            del data["ordering"]
+        return data
 
 
 def headline(dead: Sequence[DeadLetter]) -> str:
@@ -179,6 +188,7 @@ class EmailChannel(BaseChannel):
                 f"aggregate:    {d.aggregate_type}:{d.aggregate_id}",
                 f"retry_count:  {d.retry_count}",
                 f"last_error:   {d.short_error}",
+                *([f"ordering:     {d.ordering}"] if d.ordering else []),
                 "",
             ]
         if more:
@@ -294,6 +304,7 @@ class WebhookChannel(BaseChannel):
             lines.append(
                 f"- `{d.event_id}` {d.event_type} {d.aggregate_type}:{d.aggregate_id} "
                 f"retries={d.retry_count}: {d.short_error}"
+                + (f" ({d.ordering})" if d.ordering else "")
             )
         if more:
             lines.append(f"- ... and {more} more")

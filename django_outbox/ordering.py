@@ -116,3 +116,15 @@ def heads_only(
         return queryset
     base = queryset.model._default_manager.using(queryset.db).all()
     return queryset.exclude(q, Exists(earlier_blockers(base, ordered, policy)))
+
+
+def dead_head_note(event: Any) -> str:
+    """What a DEAD ordered row means for its aggregate, for the dead-letter alert."""
+    if not is_ordered(event):
+        return ""
+    if current_dead_head_policy() == SKIP:
+        return (
+            "skipped: later events of this aggregate are published without it "
+            "(OUTBOX_ORDERED_DEAD_HEAD='skip')"
+        )
+    return "blocks the later events of this aggregate until it is requeued"

@@ -30,7 +30,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections, router, transaction
 
-from . import metrics
+from . import metrics, ordering
 from .alerts import notify_dead
 from .backends import get_backend
 from .backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
@@ -303,6 +303,7 @@ class Relay:
         Raises BrokerOutage when the broker went away (after alerting on what died).
         """
         total = PassResult()
+        ordered = ordering.is_enabled()
         try:
             while not should_stop():
                 limit = self.batch_size
@@ -317,7 +318,9 @@ class Relay:
                     raise
                 total.add(result)
                 self.beat()
-                if result.found < limit:
+                # In ordered mode a batch holds one event per aggregate: what it settled
+                # lets the next events of those aggregates become heads, so go on.
+                if result.found < limit and not (ordered and (result.sent or result.dead)):
                     break
         finally:
             if total.dead_events:

@@ -1,0 +1,232 @@
+"""Ordered mode (OUTBOX_ORDERED): the claim takes aggregate heads only, on every database."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from django_outbox.backends import locmem
+from django_outbox.backends.base import Reason
+from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay import Relay
+from django_outbox.stats import db_now
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def rows(*specs: tuple[str, str] | dict[str, Any]) -> list[OutboxEvent]:
+    """Insert due PENDING rows in the given order: ("ORDER", "1") or a dict of fields."""
+    now = db_now()
+    made = []
+    for spec in specs:
+        fields: dict[str, Any] = {
+            "event_id": uuid.uuid4().hex,
+            "event_type": "E",
+            "aggregate_type": "ORDER",
+            "aggregate_id": "1",
+            "payload": {},
+            "occurred_at": now,
+            "created_at": now,
+            "next_retry_time": now - timedelta(seconds=1),
+        }
+        if isinstance(spec, tuple):
+            fields["aggregate_type"], fields["aggregate_id"] = spec
+        else:
+            fields.update(spec)
+        made.append(OutboxEvent.objects.create(**fields))
+    return made
+
+
+def claim_ids(limit: int = 100, **kwargs: Any) -> list[int]:
+    kwargs.setdefault("ordered", True)
+    _token, claimed = OutboxEvent.objects.due().claim(limit, lease_seconds=60, **kwargs)
+    return [row.pk for row in claimed]
+
+
+def test_claim_takes_only_the_head_of_each_aggregate():
+    a1, b1, _a2, c1, _b2 = rows(("O", "a"), ("O", "b"), ("O", "a"), ("O", "c"), ("O", "b"))
+    assert claim_ids() == [a1.pk, b1.pk, c1.pk]
+    # The heads are leased (still PENDING): their successors wait, and nothing else is due.
+    assert claim_ids() == []
+
+
+def test_unordered_claim_takes_everything():
+    made = rows(("O", "a"), ("O", "a"), ("O", "a"))
+    assert claim_ids(ordered=False) == [r.pk for r in made]
+
+
+def test_aggregate_type_is_part_of_the_key():
+    order, customer = rows(("ORDER", "1"), ("CUSTOMER", "1"))
+    assert claim_ids() == [order.pk, customer.pk]
+
+
+def test_rows_without_aggregate_id_are_never_ordered():
+    made = rows(("O", ""), ("O", ""))
+    assert claim_ids() == [r.pk for r in made]
+
+
+def test_a_head_in_retry_backoff_blocks_its_successors():
+    head, _nxt = rows(("O", "a"), ("O", "a"))
+    OutboxEvent.objects.filter(pk=head.pk).update(
+        retry_count=1, next_retry_time=db_now() + timedelta(seconds=30)
+    )
+    assert claim_ids() == []
+    OutboxEvent.objects.filter(pk=head.pk).update(next_retry_time=db_now())
+    assert claim_ids() == [head.pk]
+
+
+def test_sent_head_releases_the_successor():
+    head, nxt, _last = rows(("O", "a"), ("O", "a"), ("O", "a"))
+    assert claim_ids() == [head.pk]
+    OutboxEvent.objects.filter(pk=head.pk).update(status=Status.SENT)
+    assert claim_ids() == [nxt.pk]
+
+
+def test_a_dead_head_blocks_by_default_and_skip_lets_successors_go():
+    head, nxt = rows(("O", "a"), ("O", "a"))
+    OutboxEvent.objects.filter(pk=head.pk).update(status=Status.DEAD)
+    assert claim_ids() == []
+    assert claim_ids(dead_head="skip") == [nxt.pk]
+
+
+def test_settings_drive_the_claim(settings):
+    head, nxt = rows(("O", "a"), ("O", "a"))
+    settings.OUTBOX_ORDERED = False
+    assert claim_ids(ordered=None, limit=1) == [head.pk]
+    OutboxEvent.objects.update(next_retry_time=db_now() - timedelta(seconds=1))
+    settings.OUTBOX_ORDERED = True
+    assert claim_ids(ordered=None) == [head.pk]
+    OutboxEvent.objects.filter(pk=head.pk).update(status=Status.DEAD)
+    assert claim_ids(ordered=None) == []
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+    assert claim_ids(ordered=None) == [nxt.pk]
+
+
+def test_a_list_orders_those_event_or_aggregate_types_only():
+    created, note, _paid = rows(
+        {"aggregate_id": "a", "event_type": "ORDER_CREATED"},
+        {"aggregate_id": "a", "event_type": "NOTE_ADDED"},
+        {"aggregate_id": "a", "event_type": "ORDER_PAID"},
+    )
+    # NOTE_ADDED is not ordered: it neither waits nor holds ORDER_PAID back.
+    assert claim_ids(ordered=["ORDER_CREATED", "ORDER_PAID"]) == [created.pk, note.pk]
+    OutboxEvent.objects.update(next_retry_time=db_now() - timedelta(seconds=1))
+    # By aggregate type: every event of ORDER aggregates is ordered.
+    assert claim_ids(ordered=["ORDER"]) == [created.pk]
+
+
+def test_claim_is_still_few_statements():
+    rows(("O", "a"), ("O", "b"))
+    with CaptureQueriesContext(connection) as ctx:
+        claim_ids()
+    statements = [q["sql"] for q in ctx.captured_queries if "outbox" in q["sql"]]
+    # select ... for update skip locked, the re-check of the heads, the lease update.
+    assert len(statements) == 3, statements
+    assert "SKIP LOCKED" in statements[0].upper() or connection.vendor == "sqlite"
+    assert "NOT" in statements[0].upper() and "EXISTS" in statements[0].upper()
+
+
+def test_blocked_aggregates_lists_dead_heads_with_waiting_count():
+    a1, _a2, _a3, b1, _c1, _c2 = rows(
+        ("O", "a"), ("O", "a"), ("O", "a"), ("O", "b"), ("O", "c"), ("O", "c")
+    )
+    OutboxEvent.objects.filter(pk__in=[a1.pk, b1.pk]).update(status=Status.DEAD)
+    blocked = list(OutboxEvent.objects.blocked_aggregates(ordered=True))
+    # b1 is DEAD with nothing behind it: a dead letter, but it blocks nothing.
+    assert [(r.pk, r.waiting) for r in blocked] == [(a1.pk, 2)]
+    assert list(OutboxEvent.objects.blocked_aggregates(ordered=True, dead_head="skip")) == []
+    assert list(OutboxEvent.objects.blocked_aggregates(ordered=False)) == []
+
+
+def make_relay(**kwargs: Any) -> Relay:
+    kwargs.setdefault("backend", locmem.LocmemBackend())
+    return Relay(**kwargs)
+
+
+def sequences() -> list[tuple[str, int]]:
+    return [(m.headers["aggregate_id"], m.headers["sequence"]) for m in locmem.outbox]
+
+
+def test_relay_keeps_order_through_a_failed_head_then_requeue(settings):
+    settings.OUTBOX_ORDERED = True
+    settings.OUTBOX_RETRY_SCHEDULE = [30]
+    a1, b1, a2, b2 = rows(("O", "a"), ("O", "b"), ("O", "a"), ("O", "b"))
+    locmem.fail_next.append(Reason.NACKED)  # a1's first attempt
+    make_relay().drain()
+    # b went through, a waits behind its head in backoff.
+    assert sequences() == [("b", b1.pk), ("b", b2.pk)]
+    OutboxEvent.objects.filter(pk=a1.pk).update(next_retry_time=db_now())
+    make_relay().drain()
+    assert sequences()[2:] == [("a", a1.pk), ("a", a2.pk)]
+
+
+def test_hot_aggregate_drains_in_one_pass(settings):
+    """Each batch frees the next head: drain() goes on while ordered rows were sent."""
+    settings.OUTBOX_ORDERED = True
+    made = rows(*[("O", "hot")] * 5)
+    result = make_relay().drain()
+    assert result.sent == 5
+    assert [s for _, s in sequences()] == [r.pk for r in made]
+
+
+def test_dead_head_blocks_until_requeued_from_the_admin(settings, client, django_user_model):
+    settings.OUTBOX_ORDERED = True
+    settings.OUTBOX_RETRY_SCHEDULE = [1]
+    a1, a2, b1 = rows(("O", "a"), ("O", "a"), ("O", "b"))
+    locmem.fail_next.extend([Reason.UNROUTABLE])
+    make_relay().drain()
+    OutboxEvent.objects.filter(pk=a1.pk).update(next_retry_time=db_now())
+    locmem.fail_next.extend([Reason.UNROUTABLE])
+    make_relay().drain()
+    assert OutboxEvent.objects.get(pk=a1.pk).status == Status.DEAD
+    assert [r.pk for r in OutboxEvent.objects.blocked_aggregates()] == [a1.pk]
+    make_relay().drain()
+    assert sequences() == [("b", b1.pk)]
+    assert OutboxEvent.objects.get(pk=a2.pk).status == Status.PENDING
+
+    from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+    from django.urls import reverse
+
+    client.force_login(django_user_model.objects.create_superuser("root", "r@x.org", "pw"))
+    client.post(
+        reverse("admin:django_outbox_outboxevent_changelist"),
+        {"action": "requeue", ACTION_CHECKBOX_NAME: [str(a1.pk)], "index": 0},
+    )
+    assert list(OutboxEvent.objects.blocked_aggregates()) == []
+    make_relay().drain()
+    assert sequences()[1:] == [("a", a1.pk), ("a", a2.pk)]
+
+
+def test_skip_policy_lets_successors_go_and_says_so_in_the_alert(settings, caplog):
+    settings.OUTBOX_ORDERED = True
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+    settings.OUTBOX_RETRY_SCHEDULE = [1]
+    a1, a2 = rows(("O", "a"), ("O", "a"))
+    locmem.fail_next.append(Reason.UNROUTABLE)
+    make_relay().drain()
+    OutboxEvent.objects.filter(pk=a1.pk).update(next_retry_time=db_now())
+    locmem.fail_next.append(Reason.UNROUTABLE)
+    with caplog.at_level("ERROR", logger="django_outbox.alerts"):
+        make_relay().drain()
+    assert OutboxEvent.objects.get(pk=a1.pk).status == Status.DEAD
+    assert sequences() == [("a", a2.pk)]
+    assert a1.event_id in caplog.text
+    assert "skipped" in caplog.text
+
+
+def test_block_policy_alert_says_the_aggregate_waits(settings, caplog):
+    settings.OUTBOX_ORDERED = True
+    settings.OUTBOX_RETRY_SCHEDULE = [1]
+    a1, _a2 = rows(("O", "a"), ("O", "a"))
+    locmem.fail_next.append(Reason.UNROUTABLE)
+    make_relay().drain()
+    OutboxEvent.objects.filter(pk=a1.pk).update(next_retry_time=db_now())
+    locmem.fail_next.append(Reason.UNROUTABLE)
+    with caplog.at_level("ERROR", logger="django_outbox.alerts"):
+        make_relay().drain()
+    assert "blocks" in caplog.text and "requeue" in caplog.text
