@@ -29,7 +29,7 @@ from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import stats
+from . import ordering, stats
 from .conf import outbox_settings
 from .db import DbNow
 from .models import OutboxEvent, Status
@@ -61,6 +61,17 @@ def health_warnings(gauges: stats.Gauges) -> list[str]:
                 gauges.dead,
             )
             % {"count": gauges.dead}
+        )
+    if gauges.blocked_aggregates:
+        warnings.append(
+            ngettext(
+                "%(count)d aggregate is blocked by a dead event (ordered mode): its later "
+                "events wait until that event is requeued.",
+                "%(count)d aggregates are blocked by a dead event (ordered mode): their later "
+                "events wait until that event is requeued.",
+                gauges.blocked_aggregates,
+            )
+            % {"count": gauges.blocked_aggregates}
         )
     return warnings
 
@@ -322,6 +333,16 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "pending_url": f"{changelist}?status__exact={int(Status.PENDING)}",
             "dead_url": f"{changelist}?status__exact={int(Status.DEAD)}",
             "extra_figures": sorted(snapshot.extra.items()),
+            "ordered": ordering.is_enabled(),
+            "blocked": [
+                (
+                    b,
+                    reverse(
+                        f"{self.admin_site.name}:django_outbox_outboxevent_change", args=[b.id]
+                    ),
+                )
+                for b in snapshot.blocked
+            ],
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.dashboard_template, context)

@@ -8,10 +8,10 @@ Two kinds of metric live here:
 
 - **process counters** (published, failures, dead, latencies): each relay replica counts
   what *it* did; ``sum()`` them across replicas.
-- **database gauges** (pending, dead, oldest pending age): read from the outbox table at
-  scrape time by :class:`OutboxCollector` through :mod:`django_outbox.stats`. Every process
-  that exposes them reports the *same* table, so aggregate them with ``max()``, never
-  ``sum()`` (docs/monitoring.md has the PromQL).
+- **database gauges** (pending, dead, oldest pending age, blocked aggregates): read from
+  the outbox table at scrape time by :class:`OutboxCollector` through
+  :mod:`django_outbox.stats`. Every process that exposes them reports the *same* table,
+  so aggregate them with ``max()``, never ``sum()`` (docs/monitoring.md has the PromQL).
 
 The collector is registered on prometheus_client's default registry when the app is ready,
 so django-prometheus's ``/metrics`` view in the web process serves it; the worker commands
@@ -94,6 +94,7 @@ def batch_duration(seconds: float, job: str) -> None:
 PENDING_EVENTS = "django_outbox_pending_events"
 DEAD_EVENTS = "django_outbox_dead_events"
 OLDEST_PENDING_AGE = "django_outbox_oldest_pending_age_seconds"
+BLOCKED_AGGREGATES = "django_outbox_blocked_aggregates"
 DATABASE_UP = "django_outbox_database_up"
 SCRAPE_DURATION = "django_outbox_stats_scrape_duration_seconds"
 
@@ -103,6 +104,10 @@ _GAUGE_HELP = {
     OLDEST_PENDING_AGE: (
         "Seconds since the oldest PENDING row was created, by the database clock; 0 when "
         "nothing is pending (database gauge: max())."
+    ),
+    BLOCKED_AGGREGATES: (
+        "Ordered mode: aggregates whose head event is DEAD, holding back their later events "
+        "until it is requeued (database gauge: max())."
     ),
     DATABASE_UP: "1 if the outbox gauges were read from the database at this scrape, else 0.",
     SCRAPE_DURATION: "Seconds the outbox gauges' database queries took at this scrape.",
@@ -141,6 +146,7 @@ class OutboxCollector(Collector):
             (PENDING_EVENTS, figures.pending),
             (DEAD_EVENTS, figures.dead),
             (OLDEST_PENDING_AGE, figures.oldest_pending_age),
+            (BLOCKED_AGGREGATES, figures.blocked_aggregates),
             (DATABASE_UP, 1),
             (SCRAPE_DURATION, elapsed),
         ):

@@ -19,6 +19,9 @@ web server in another time zone changes nothing. The queries stay on the model's
   created more than ``SENT_LOOKBACK`` before the window and sent inside it (a delivery after
   a day-long outage) is not counted in "sent"; it is still counted where it matters, in the
   PENDING figures until it is sent.
+- blocked aggregates (ordered mode): DEAD rows only, each probed for a later PENDING and an
+  earlier unsent row of its aggregate on ``(aggregate_type, aggregate_id, status, id)``;
+  skipped when nothing is DEAD.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ SENT_LOOKBACK = timedelta(days=1)
 TREND_BUCKETS = 60
 #: How many event types the "top dead letters" list names.
 TOP_DEAD_TYPES = 10
+#: How many blocked aggregates (ordered mode) the dashboard and outbox_stats list.
+TOP_BLOCKED = 20
 
 _ALL_STATUSES = [int(s) for s in Status]
 
@@ -59,6 +64,8 @@ class Gauges:
     #: ``created_at`` of the oldest PENDING row (None when nothing is pending).
     oldest_pending_created_at: datetime | None
     now: datetime
+    #: Ordered mode: aggregates whose head event is DEAD and holds back later events.
+    blocked_aggregates: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,19 @@ class TrendBucket:
 
 
 @dataclass(frozen=True)
+class BlockedAggregate:
+    """Ordered mode: a DEAD head and how many PENDING events of its aggregate wait on it."""
+
+    id: int
+    event_id: str
+    event_type: str
+    aggregate_type: str
+    aggregate_id: str
+    waiting: int
+    last_error: str
+
+
+@dataclass(frozen=True)
 class OutboxStats:
     """A snapshot of everything the dashboard and ``outbox_stats`` show."""
 
@@ -95,11 +115,14 @@ class OutboxStats:
     top_dead_types: list[tuple[str, int]]
     trend: list[TrendBucket]
     trend_bucket_seconds: float
-    # Ordered mode (OUTBOX_ORDERED) adds its figures here, e.g. the number of aggregates
-    # whose head event is DEAD or retrying and so holds back the events behind it. Extend
-    # collect() below (the "ordered mode" section) and give the field a default so every
-    # caller keeps working.
+    #: Ordered mode: the first blocked aggregates (at most ``TOP_BLOCKED``), oldest first.
+    blocked: list[BlockedAggregate] = field(default_factory=list)
+    #: Further figures shown as they are by the dashboard and ``outbox_stats``.
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def blocked_aggregates(self) -> int:
+        return self.gauges.blocked_aggregates
 
     @property
     def pending(self) -> int:
@@ -151,6 +174,8 @@ class OutboxStats:
             "trend": [
                 {"start": _iso(b.start), "created": b.created, "sent": b.sent} for b in self.trend
             ],
+            "blocked_aggregates": self.blocked_aggregates,
+            "blocked": [asdict(b) for b in self.blocked],
             **self.extra,
         }
 
@@ -210,13 +235,38 @@ def gauges(using: str = DEFAULT_DB_ALIAS) -> Gauges:
     )
     oldest = figures["oldest"]
     age = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
+    dead = figures["dead"] or 0
     return Gauges(
         pending=figures["pending"] or 0,
-        dead=figures["dead"] or 0,
+        dead=dead,
         oldest_pending_age=age,
         oldest_pending_created_at=oldest,
         now=now,
+        # Only DEAD rows can block (a PENDING head is being retried), so skip the query
+        # when there are none: it looks at DEAD rows only, a handful in triage.
+        blocked_aggregates=(
+            OutboxEvent.objects.using(using).blocked_aggregates().count() if dead else 0
+        ),
     )
+
+
+def blocked_aggregates(
+    using: str = DEFAULT_DB_ALIAS, limit: int = TOP_BLOCKED
+) -> list[BlockedAggregate]:
+    """Ordered mode: the DEAD heads holding back their aggregates, oldest first."""
+    rows = OutboxEvent.objects.using(using).blocked_aggregates()[:limit]
+    return [
+        BlockedAggregate(
+            id=row.pk,
+            event_id=row.event_id,
+            event_type=row.event_type,
+            aggregate_type=row.aggregate_type,
+            aggregate_id=row.aggregate_id,
+            waiting=row.waiting or 0,  # type: ignore[attr-defined]
+            last_error=row.last_error,
+        )
+        for row in rows
+    ]
 
 
 def _bucket_seconds(window: float) -> float:
@@ -280,11 +330,6 @@ def collect(
         for i in range(TREND_BUCKETS)
     ]
 
-    extra: dict[str, Any] = {}
-    # --- ordered mode ------------------------------------------------------------------
-    # Blocked aggregates (ordered delivery) are computed here when that mode lands, e.g.
-    # extra["blocked_aggregates"] = ...; the dashboard and outbox_stats print every key.
-
     return OutboxStats(
         gauges=g,
         window=float(window),
@@ -294,7 +339,7 @@ def collect(
         top_dead_types=[(event_type, n) for event_type, n in top_dead],
         trend=bars,
         trend_bucket_seconds=width,
-        extra=extra,
+        blocked=blocked_aggregates(using) if g.blocked_aggregates else [],
     )
 
 

@@ -230,3 +230,69 @@ def test_block_policy_alert_says_the_aggregate_waits(settings, caplog):
     with caplog.at_level("ERROR", logger="django_outbox.alerts"):
         make_relay().drain()
     assert "blocks" in caplog.text and "requeue" in caplog.text
+
+
+# -- blocked aggregates: outbox_stats, the dashboard, the metric ------------------------------
+@pytest.fixture
+def blocked_aggregate(settings) -> OutboxEvent:
+    settings.OUTBOX_ORDERED = True
+    head, _a2, _a3, dead_alone = rows(("O", "a"), ("O", "a"), ("O", "a"), ("O", "b"))
+    OutboxEvent.objects.filter(pk__in=[head.pk, dead_alone.pk]).update(
+        status=Status.DEAD, last_error="[unroutable] no queue bound"
+    )
+    return head
+
+
+def test_outbox_stats_shows_blocked_aggregates(blocked_aggregate):
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    out = StringIO()
+    call_command("outbox_stats", stdout=out)
+    text = out.getvalue()
+    assert "blocked aggregates  1" in text
+    assert f"O:a  head id={blocked_aggregate.pk}" in text and "2 waiting" in text
+    out = StringIO()
+    call_command("outbox_stats", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert data["blocked_aggregates"] == 1
+    assert data["blocked"][0]["event_id"] == blocked_aggregate.event_id
+    assert data["blocked"][0]["waiting"] == 2
+    with pytest.raises(CommandError) as exc:
+        call_command("outbox_stats", "--max-blocked", "0", stdout=StringIO())
+    assert exc.value.returncode == 1
+
+
+def test_outbox_stats_without_ordered_mode_has_no_blocked_line(blocked_aggregate, settings):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    settings.OUTBOX_ORDERED = False
+    out = StringIO()
+    call_command("outbox_stats", stdout=out)
+    assert "blocked" not in out.getvalue()
+
+
+def test_metric_counts_blocked_aggregates(blocked_aggregate, settings):
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("django_outbox_blocked_aggregates") == 1
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+    assert REGISTRY.get_sample_value("django_outbox_blocked_aggregates") == 0
+
+
+def test_dashboard_and_banner_show_blocked_aggregates(blocked_aggregate, client, django_user_model):
+    from django.urls import reverse
+
+    client.force_login(django_user_model.objects.create_superuser("root", "r@x.org", "pw"))
+    body = client.get(reverse("admin:django_outbox_outboxevent_dashboard")).content.decode()
+    assert 'id="figure-blocked"' in body
+    assert blocked_aggregate.event_id in body and "O:a" in body
+    change = reverse("admin:django_outbox_outboxevent_change", args=[blocked_aggregate.pk])
+    assert change in body
+    banner = client.get(reverse("admin:django_outbox_outboxevent_changelist")).content.decode()
+    assert "1 aggregate is blocked by a dead event" in banner

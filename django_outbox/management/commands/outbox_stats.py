@@ -12,7 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, DatabaseError
 
-from ... import stats
+from ... import ordering, stats
 from ..options import duration, non_negative_int
 
 
@@ -50,6 +50,13 @@ class Command(BaseCommand):
             help="Exit 1 if more than this many events are DEAD (0: any dead letter fails).",
         )
         parser.add_argument(
+            "--max-blocked",
+            type=non_negative_int,
+            default=None,
+            help="Ordered mode: exit 1 if more than this many aggregates are blocked by a "
+            "DEAD head.",
+        )
+        parser.add_argument(
             "--database",
             default=DEFAULT_DB_ALIAS,
             help="Database alias to read the outbox from (default 'default').",
@@ -63,6 +70,7 @@ class Command(BaseCommand):
         max_pending: int | None,
         max_oldest_age: float | None,
         max_dead: int | None,
+        max_blocked: int | None,
         database: str,
         **options: Any,
     ) -> None:
@@ -92,6 +100,11 @@ class Command(BaseCommand):
             )
         if max_dead is not None and snapshot.dead > max_dead:
             crossed.append(f"{snapshot.dead} DEAD events, more than --max-dead {max_dead}")
+        if max_blocked is not None and snapshot.blocked_aggregates > max_blocked:
+            crossed.append(
+                f"{snapshot.blocked_aggregates} aggregates blocked by a DEAD head, more than "
+                f"--max-blocked {max_blocked}"
+            )
 
         if json:
             self._print_json(snapshot, crossed)
@@ -116,6 +129,8 @@ class Command(BaseCommand):
             (f"created (last {window})", snapshot.created_in_window),
             *sorted(snapshot.extra.items()),
         ]
+        if ordering.is_enabled():
+            figures.append(("blocked aggregates", snapshot.blocked_aggregates))
         pad = max(len(label) for label, _ in figures)
         lines = [f"{label:<{pad}}  {value}" for label, value in figures]
         lines.append("")
@@ -133,6 +148,16 @@ class Command(BaseCommand):
             lines.append("")
             lines.append("top event types among dead letters:")
             lines += [f"  {n:>6}  {event_type}" for event_type, n in snapshot.top_dead_types]
+        if snapshot.blocked:
+            lines.append("")
+            lines.append(
+                "aggregates blocked by a DEAD head (fix the cause, then requeue the head):"
+            )
+            lines += [
+                f"  {b.aggregate_type}:{b.aggregate_id}  head id={b.id} {b.event_type} "
+                f"event_id={b.event_id}  {b.waiting} waiting  {' '.join(b.last_error.split())[:80]}"
+                for b in snapshot.blocked
+            ]
         for message in crossed:
             lines.append("")
             lines.append(f"THRESHOLD CROSSED: {message}")
