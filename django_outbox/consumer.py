@@ -64,6 +64,8 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"  # handle() raised: rolled back, to be retried
     UNKNOWN_TYPE = "unknown_type"  # no handler for the event type: acknowledged, logged
     UNDECODABLE = "undecodable"  # not an outbox event: dead-lettered at once
+    EARLY = "early"  # ordered: its predecessor is not processed yet: parked (retried later)
+    OUT_OF_ORDER = "out_of_order"  # ordered: cannot be applied in order: dead-lettered
 
     @property
     def acknowledge(self) -> bool:
@@ -82,7 +84,14 @@ class HandlerResult:
 def message_outcome(results: Sequence[HandlerResult]) -> Outcome:
     """The outcome of a message: FAILED (or UNDECODABLE) if any handler's was, else the rest."""
     outcomes = {r.outcome for r in results}
-    for worst in (Outcome.UNDECODABLE, Outcome.FAILED, Outcome.PROCESSED, Outcome.DUPLICATE):
+    for worst in (
+        Outcome.UNDECODABLE,
+        Outcome.OUT_OF_ORDER,
+        Outcome.FAILED,
+        Outcome.EARLY,
+        Outcome.PROCESSED,
+        Outcome.DUPLICATE,
+    ):
         if worst in outcomes:
             return worst
     return Outcome.UNKNOWN_TYPE
@@ -124,6 +133,15 @@ class IdempotentHandler:
     dedup_field: ClassVar[str] = "source_event_id"
     #: Stored in the inbox; defaults to the dotted path. Keep it stable once deployed.
     name: ClassVar[str] = ""
+    #: Ordered events (sent with a ``previous_sequence`` header, see docs/ordered.md): what
+    #: to do with one that arrives before its predecessor was processed here. "park": roll
+    #: back and retry it later (outcome EARLY), "reject": dead-letter it (OUT_OF_ORDER);
+    #: None: no check. An event older than one already processed is always OUT_OF_ORDER.
+    out_of_order: ClassVar[str | None] = None
+    #: With the check on, an aggregate this handler has no record of is taken up at its
+    #: first event (``previous_sequence`` 0). True also takes it up mid-stream, at whatever
+    #: event comes first: set it while switching the check on for a running stream.
+    adopt_running_aggregates: ClassVar[bool] = False
 
     def handle(self, event: ReceivedEvent) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement handle(event)")
@@ -152,7 +170,9 @@ class IdempotentHandler:
 
         ``handle()`` and the record of ``source_event_id`` commit in one transaction; if
         ``handle()`` raises, that transaction is rolled back and the exception propagates
-        (a Celery task retries on it, :meth:`run` turns it into FAILED).
+        (a Celery task retries on it, :meth:`run` turns it into FAILED). With
+        ``out_of_order`` set, an event that cannot be applied in order now rolls back and
+        raises ``_OutOfOrder`` (its ``outcome`` is EARLY or OUT_OF_ORDER).
         """
         using = self.database()
         try:
@@ -170,6 +190,8 @@ class IdempotentHandler:
                             )
                     except IntegrityError:
                         raise _Duplicate() from None
+                if self.out_of_order and event.previous_sequence is not None:
+                    self._check_order(event, using)
                 self.handle(event)
         except _Duplicate:
             return Outcome.DUPLICATE
@@ -188,9 +210,66 @@ class IdempotentHandler:
         }
         try:
             outcome = self.process(event)
+        except _OutOfOrder as exc:
+            logger.warning(
+                "handler %s: %s %s %s",
+                result["handler"],
+                event.event_type,
+                event.event_id,
+                exc.reason,
+            )
+            return HandlerResult(exc.outcome, error=exc.reason, **result)
         except Exception as exc:
             return self._failed(event, exc, result)
         return HandlerResult(outcome, **result)
+
+    def _check_order(self, event: ReceivedEvent, using: str) -> None:
+        """Compare the event with the last one of its aggregate processed by this handler.
+
+        The aggregate's row is locked for the rest of the transaction, so two consumers
+        given successive events of one aggregate take them one after the other.
+        """
+        from .models import AggregateSequence
+
+        if event.sequence is None:
+            return
+        sequence, previous = event.sequence, event.previous_sequence or 0
+        key = {
+            "handler": self.handler_name(),
+            "aggregate_type": event.aggregate_type,
+            "aggregate_id": event.aggregate_id,
+        }
+        manager = AggregateSequence.objects.using(using)
+        state = manager.select_for_update().filter(**key).first()
+        if state is None:
+            if previous and not self.adopt_running_aggregates:
+                self._early(f"waits for sequence {previous}; none of its aggregate processed")
+            try:
+                with transaction.atomic(using=using):
+                    manager.create(last_sequence=sequence, **key)
+                return
+            except IntegrityError:
+                # Another consumer recorded this aggregate meanwhile: decide against that.
+                state = manager.select_for_update().filter(**key).first()
+                if state is None:
+                    raise
+        last = state.last_sequence
+        if sequence <= last:
+            if self.dedup_model is not None and self._already_recorded(event, using):
+                raise _Duplicate()
+            raise _OutOfOrder(
+                Outcome.OUT_OF_ORDER,
+                f"arrived after sequence {last} of its aggregate was processed; "
+                "it cannot be applied in order",
+            )
+        if previous > last:
+            self._early(f"waits for sequence {previous}; the last processed is {last}")
+        state.last_sequence = sequence
+        state.save(update_fields=["last_sequence", "updated_at"])
+
+    def _early(self, reason: str) -> None:
+        outcome = Outcome.EARLY if self.out_of_order == "park" else Outcome.OUT_OF_ORDER
+        raise _OutOfOrder(outcome, f"came before its predecessor: {reason}")
 
     def _already_recorded(self, event: ReceivedEvent, using: str) -> bool:
         # After the rollback: a committed row for this event means the violation was ours
@@ -217,6 +296,14 @@ class _Duplicate(Exception):
     """Raised inside the atomic block so that it rolls back."""
 
 
+class _OutOfOrder(Exception):
+    """Raised inside the atomic block: the event cannot be applied in order now."""
+
+    def __init__(self, outcome: Outcome, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome, self.reason = outcome, reason
+
+
 def load_handler(path: str | type[IdempotentHandler]) -> type[IdempotentHandler]:
     try:
         cls = import_string(path) if isinstance(path, str) else path
@@ -231,6 +318,11 @@ def load_handler(path: str | type[IdempotentHandler]) -> type[IdempotentHandler]
         )
     if not cls.event_types:
         raise ImproperlyConfiguredHandler(f"Handler {path!r} has no event_types.")
+    if cls.out_of_order not in (None, "park", "reject"):
+        raise ImproperlyConfiguredHandler(
+            f"Handler {path!r} has out_of_order = {cls.out_of_order!r}; use 'park', 'reject' "
+            "or None."
+        )
     return cls
 
 
@@ -550,9 +642,7 @@ class Consumer:
                 finally:
                     close_old_connections()
                 result.add(outcome)
-                if outcome is Outcome.UNDECODABLE or (
-                    outcome is Outcome.FAILED and self._dead_lettered_last
-                ):
+                if self._dead_lettered_last:
                     result.dead_lettered += 1
                 if stop.is_set() or (max_messages and result.messages >= max_messages):
                     return True
@@ -578,7 +668,13 @@ class Consumer:
         outcome = message_outcome(results)
         if outcome.acknowledge:
             channel.basic_ack(method.delivery_tag)
-        elif outcome is Outcome.UNDECODABLE:
+        elif outcome in (Outcome.UNDECODABLE, Outcome.OUT_OF_ORDER):
+            logger.error(
+                "message %s: %s; dead-lettered to %s",
+                properties.message_id,
+                outcome.value,
+                self.dead_letter_queue,
+            )
             channel.basic_reject(method.delivery_tag, requeue=False)
             self._dead_lettered_last = True
         else:

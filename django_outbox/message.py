@@ -10,6 +10,9 @@ A message carries the payload as its JSON body and everything else in AMQP prope
 ``occurred_at``     business time, ISO 8601 with microseconds and offset
 ``attempt``         1 for the first publish of the row, 2 for its first retry, ...
 ``sequence``        the outbox row id: increasing in commit order per database
+``previous_sequence``  ordered mode only: the ``sequence`` of the aggregate's previous
+                    event that was published (0 when there is none): a consumer that
+                    has not processed it yet knows this event came early
 =================  ===========================================================
 
 A Celery task message (``django_outbox.backends.celery.CeleryBackend`` with a task
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = "application/json"
 RESERVED_HEADERS = frozenset(
-    {"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence"}
+    {"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence", "previous_sequence"}
 )
 
 
@@ -53,6 +56,10 @@ def encode_headers(event: OutboxEvent) -> dict[str, Any]:
         attempt=event.retry_count + 1,
         sequence=event.pk,
     )
+    # Set by the claim on ordered rows only (OutboxEventQuerySet.claim).
+    previous = getattr(event, "previous_sequence", None)
+    if previous is not None:
+        headers["previous_sequence"] = previous
     return headers
 
 
@@ -82,6 +89,8 @@ class ReceivedEvent:
     occurred_at: datetime | None = None
     attempt: int = 1
     sequence: int | None = None
+    #: Ordered events only: the sequence of the aggregate's previous event (0: none).
+    previous_sequence: int | None = None
     headers: Mapping[str, Any] = field(default_factory=dict)
     redelivered: bool = False
 
@@ -144,6 +153,7 @@ def _received(
     occurred_raw = headers.get("occurred_at")
     occurred = parse_datetime(occurred_raw) if isinstance(occurred_raw, str) else None
     sequence = headers.get("sequence")
+    previous = headers.get("previous_sequence")
 
     def _text(value: Any) -> str:
         return value.decode() if isinstance(value, bytes) else str(value or "")
@@ -157,6 +167,7 @@ def _received(
         occurred_at=occurred,
         attempt=int(headers.get("attempt") or 1),
         sequence=int(sequence) if sequence is not None else None,
+        previous_sequence=int(previous) if previous is not None else None,
         headers=own,
         redelivered=redelivered,
     )

@@ -116,3 +116,33 @@ class InboxMessage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.handler} {self.source_event_id}"
+
+
+class AggregateSequence(models.Model):
+    """The last ordered event a consumer handler processed, per aggregate.
+
+    Written in the handler's transaction by handlers that check order
+    (``IdempotentHandler.out_of_order``): an event whose ``previous_sequence`` is later
+    than ``last_sequence`` came before its predecessor; one at or below it came after a
+    successor.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    handler = models.CharField(_("handler"), max_length=200)
+    aggregate_type = models.CharField(_("aggregate type"), max_length=64, blank=True)
+    aggregate_id = models.CharField(_("aggregate id"), max_length=64)
+    last_sequence = models.BigIntegerField(_("last sequence"))
+    updated_at = models.DateTimeField(_("updated at"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("aggregate sequence")
+        verbose_name_plural = _("aggregate sequences")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["handler", "aggregate_type", "aggregate_id"],
+                name="django_outbox_aggseq_uniq",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.handler} {self.aggregate_type}:{self.aggregate_id} @{self.last_sequence}"

@@ -103,6 +103,24 @@ def earlier_blockers(
     )
 
 
+def previous_sent(base: OutboxEventQuerySet, ordered: Ordered) -> QuerySet[OutboxEvent, Any]:
+    """The id of the outer row's predecessor that consumers saw: its aggregate's last SENT
+    ordered row before it (a skipped DEAD row was never delivered, so it does not count)."""
+    q = ordered_q(ordered)
+    assert q is not None
+    return (
+        base.filter(
+            aggregate_type=OuterRef("aggregate_type"),
+            aggregate_id=OuterRef("aggregate_id"),
+            status=SENT,
+            id__lt=OuterRef("id"),
+        )
+        .filter(q)
+        .order_by("-id")
+        .values("id")
+    )
+
+
 def heads_only(
     queryset: OutboxEventQuerySet, ordered: Ordered | None = None, policy: str | None = None
 ) -> OutboxEventQuerySet:

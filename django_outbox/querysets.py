@@ -98,19 +98,35 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
     def _still_heads(
         self, rows: list[OutboxEvent], ordered: bool | Sequence[str], dead_head: str | None
     ) -> list[OutboxEvent]:
-        """Drop locked ordered rows that a fresh statement shows are not heads after all."""
+        """Drop locked ordered rows that a fresh statement shows are not heads after all.
+
+        The same statement reads each head's ``previous_sequence`` (the id of the last SENT
+        ordered event of its aggregate, 0 for none), which the relay sends as a header.
+        """
         from . import ordering
 
         ids = [row.pk for row in rows if ordering.is_ordered(row, ordered)]
         if not ids:
             return rows
         base = self.model._default_manager.using(self.db).all()
-        blocked = set(
+        found = (
             base.filter(pk__in=ids)
-            .filter(models.Exists(ordering.earlier_blockers(base, ordered, dead_head)))
-            .values_list("pk", flat=True)
+            .annotate(
+                blocked=models.Exists(ordering.earlier_blockers(base, ordered, dead_head)),
+                previous=models.Subquery(ordering.previous_sent(base, ordered)[:1]),
+            )
+            .values_list("pk", "blocked", "previous")
         )
-        return [row for row in rows if row.pk not in blocked]
+        verdict = {pk: (blocked, previous) for pk, blocked, previous in found}
+        kept = []
+        for row in rows:
+            if row.pk in verdict:
+                blocked, previous = verdict[row.pk]
+                if blocked:
+                    continue
+                row.previous_sequence = previous or 0  # type: ignore[attr-defined]
+            kept.append(row)
+        return kept
 
     # -- ordered mode: what is stuck ---------------------------------------------------------
     def blocked_aggregates(

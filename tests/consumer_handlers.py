@@ -57,3 +57,36 @@ class BlockingPointsHandler(AwardPointsHandler):
         marker.write_text(event.event_id)
         while marker.exists():
             time.sleep(0.05)
+
+
+class OrderedParkHandler(IdempotentHandler):
+    """Inbox style with the order check: an early event is parked (retried later)."""
+
+    event_types = ["ORDER_EVENT"]
+    name = "tests.ordered_park"
+    out_of_order = "park"
+
+    def handle(self, event):
+        PointsLedger.objects.create(
+            source_event_id=event.event_id,
+            user_id=1,
+            order_number=str(event.sequence),
+            points=1,
+        )
+
+
+class OrderedRejectHandler(OrderedParkHandler):
+    name = "tests.ordered_reject"
+    out_of_order = "reject"
+
+
+class OrderedLedgerHandler(OrderedParkHandler):
+    """Business-row style with the order check."""
+
+    name = "tests.ordered_ledger"
+    dedup_model = PointsLedger
+
+
+class OrderedAdoptingHandler(OrderedParkHandler):
+    name = "tests.ordered_adopt"
+    adopt_running_aggregates = True
