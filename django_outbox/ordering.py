@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Max, Min, OuterRef, Q
 
 from .conf import outbox_settings
 
@@ -105,7 +105,12 @@ def earlier_blockers(
 
 def previous_sent(base: OutboxEventQuerySet, ordered: Ordered) -> QuerySet[OutboxEvent, Any]:
     """The id of the outer row's predecessor that consumers saw: its aggregate's last SENT
-    ordered row before it (a skipped DEAD row was never delivered, so it does not count)."""
+    ordered row before it (a skipped DEAD row was never delivered, so it does not count).
+
+    A ``MAX`` rather than ``ORDER BY id DESC LIMIT 1``: MariaDB answers it from the end of
+    the ``(aggregate_type, aggregate_id, status, id)`` range, and chose a far worse plan
+    for the ordered form.
+    """
     q = ordered_q(ordered)
     assert q is not None
     return (
@@ -116,8 +121,33 @@ def previous_sent(base: OutboxEventQuerySet, ordered: Ordered) -> QuerySet[Outbo
             id__lt=OuterRef("id"),
         )
         .filter(q)
-        .order_by("-id")
-        .values("id")
+        .order_by()
+        .values("aggregate_type")
+        .annotate(previous=Max("id"))
+        .values("previous")
+    )
+
+
+def heads(
+    base: OutboxEventQuerySet, ordered: Ordered, policy: str | None = None
+) -> QuerySet[OutboxEvent, Any]:
+    """The id of every aggregate's head: its earliest ordered row that blocks (PENDING, and
+    DEAD unless the policy skips them). Meant for ``id__in``.
+
+    One pass over the unsent ordered rows, grouped by aggregate: its cost follows the
+    backlog, not the table, and it does not depend on the planner choosing an index per
+    candidate row (a per-row ``NOT EXISTS`` probe did, and degraded to a scan of the
+    aggregate's sent history for a hot aggregate).
+    """
+    q = ordered_q(ordered)
+    assert q is not None
+    return (
+        base.filter(status__in=blocking_statuses(policy))
+        .filter(q)
+        .order_by()
+        .values("aggregate_type", "aggregate_id")
+        .annotate(head=Min("id"))
+        .values("head")
     )
 
 
@@ -126,14 +156,19 @@ def heads_only(
 ) -> OutboxEventQuerySet:
     """``queryset`` without the ordered rows that are not their aggregate's head.
 
-    Unordered rows pass untouched, so they keep the relay's full speed.
+    Unordered rows pass untouched, so they keep the relay's full speed. In a locking read
+    the heads come from the statement's snapshot while the candidate rows may be newer (on
+    MySQL/MariaDB a locking read sees the latest committed version): a row committed after
+    the snapshot is not among the heads, so it waits for the next claim. A row that was a
+    head in the snapshot is still one: rows never become unsent again (except a requeued
+    DEAD row under the "skip" policy, which is the point of that policy).
     """
     ordered = current_ordered() if ordered is None else ordered
     q = ordered_q(ordered)
     if q is None:
         return queryset
     base = queryset.model._default_manager.using(queryset.db).all()
-    return queryset.exclude(q, Exists(earlier_blockers(base, ordered, policy)))
+    return queryset.filter(~q | Q(id__in=heads(base, ordered, policy)))
 
 
 def dead_head_note(event: Any) -> str:

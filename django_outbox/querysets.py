@@ -67,13 +67,11 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
 
         Ordered mode (``ordered``/``dead_head`` default to ``OUTBOX_ORDERED`` and
         ``OUTBOX_ORDERED_DEAD_HEAD``): ordered rows are taken only while they are their
-        aggregate's head, by a ``NOT EXISTS`` in this same locking query, so a successor
-        is never claimed while its predecessor is PENDING (leased, in backoff) or DEAD.
-        The candidates are then checked once more by a second statement of this
-        transaction: on MySQL/MariaDB a locking read sees rows committed after the
-        statement's snapshot while its subquery does not, so a predecessor and its
-        successor committed during the scan could both look like heads (see
-        docs/ordered.md). Unordered rows skip both checks.
+        aggregate's head (its earliest PENDING, or DEAD unless skipped, ordered row), by a
+        filter in this same locking query (see :func:`django_outbox.ordering.heads_only`),
+        so a successor is never claimed while its predecessor is PENDING (leased, in
+        backoff) or DEAD. A second statement reads each claimed head's
+        ``previous_sequence`` for the consumers. Unordered rows skip both.
         """
         from . import ordering
 
@@ -83,7 +81,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             candidates = ordering.heads_only(self, ordered, dead_head)
             rows = list(candidates.select_for_update(skip_locked=True).order_by("id")[:limit])
             if rows and ordered:
-                rows = self._still_heads(rows, ordered, dead_head)
+                self._previous_sequences(rows, ordered)
             if rows:
                 self.model._default_manager.using(self.db).filter(
                     pk__in=[row.pk for row in rows]
@@ -95,38 +93,26 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             row.lease_token = token
         return token, rows
 
-    def _still_heads(
-        self, rows: list[OutboxEvent], ordered: bool | Sequence[str], dead_head: str | None
-    ) -> list[OutboxEvent]:
-        """Drop locked ordered rows that a fresh statement shows are not heads after all.
+    def _previous_sequences(self, rows: list[OutboxEvent], ordered: bool | Sequence[str]) -> None:
+        """Set ``previous_sequence`` on the claimed ordered heads (the relay sends it).
 
-        The same statement reads each head's ``previous_sequence`` (the id of the last SENT
-        ordered event of its aggregate, 0 for none), which the relay sends as a header.
+        It is the id of the aggregate's last SENT ordered row before the head (0: none): a
+        DEAD row skipped under the "skip" policy was never delivered, so it does not count.
         """
         from . import ordering
 
         ids = [row.pk for row in rows if ordering.is_ordered(row, ordered)]
         if not ids:
-            return rows
+            return
         base = self.model._default_manager.using(self.db).all()
-        found = (
+        previous = dict(
             base.filter(pk__in=ids)
-            .annotate(
-                blocked=models.Exists(ordering.earlier_blockers(base, ordered, dead_head)),
-                previous=models.Subquery(ordering.previous_sent(base, ordered)[:1]),
-            )
-            .values_list("pk", "blocked", "previous")
+            .annotate(previous=models.Subquery(ordering.previous_sent(base, ordered)))
+            .values_list("pk", "previous")
         )
-        verdict = {pk: (blocked, previous) for pk, blocked, previous in found}
-        kept = []
         for row in rows:
-            if row.pk in verdict:
-                blocked, previous = verdict[row.pk]
-                if blocked:
-                    continue
-                row.previous_sequence = previous or 0  # type: ignore[attr-defined]
-            kept.append(row)
-        return kept
+            if row.pk in previous:
+                row.previous_sequence = previous[row.pk] or 0  # type: ignore[attr-defined]
 
     # -- ordered mode: what is stuck ---------------------------------------------------------
     def blocked_aggregates(

@@ -1,0 +1,159 @@
+"""Ordered mode's drain rate against unordered, same backlog, one relay, real RabbitMQ.
+
+Two backlogs, each drained once unordered (the baseline) and once with ``OUTBOX_ORDERED``:
+
+* many aggregates: 1,000 aggregates x 20 events, written round by round (every aggregate
+  gets its n-th event before any gets its n+1-th, in a shuffled order), as live traffic
+  interleaves them;
+* a hot aggregate: 1 aggregate x 5,000 events. Ordered, each batch can hold only its head,
+  so the rate is bounded by one claim-publish-confirm-settle round trip per event.
+
+It runs in its own database (created next to ``DATABASE_URL``'s, migrated, dropped at the
+end) and its own exchange and queue (deleted at the end)::
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/test python -m bench.ordered_bench
+        [--smoke] [--aggregates 1000] [--events 20] [--hot 5000] [--batch-size 100]
+        [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python bench/ordered_bench.py
+    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+
+from bench.common import (
+    SAMPLE_AGGREGATE_TYPE,
+    SAMPLE_EVENT_TYPE,
+    SAMPLE_OCCURRED_AT,
+    SAMPLE_PAYLOAD,
+    Stopwatch,
+    bench_exchange,
+    best_of,
+    parser,
+    report,
+)
+
+SMOKE = {"aggregates": 50, "events": 6, "hot": 100}
+
+
+def setup_database() -> tuple[Any, str]:
+    """Django on the demo's settings, in a fresh database named for this run."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path[:0] = [str(root / "testproject")]
+    os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+    os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings"
+    import django
+    from django.conf import settings
+
+    name = f"bench_ordered_{uuid.uuid4().hex[:8]}"
+    if "sqlite" in settings.DATABASES["default"]["ENGINE"]:
+        raise SystemExit("ordered_bench needs PostgreSQL or MariaDB (DATABASE_URL)")
+    settings.DATABASES["default"].setdefault("TEST", {})["NAME"] = name
+    settings.LOGGING_CONFIG = None
+    django.setup()
+    from django.db import connection
+
+    old_name = connection.creation.create_test_db(verbosity=0, autoclobber=True)
+    return connection, old_name
+
+
+def write_backlog(aggregates: int, events: int, seed: int = 9) -> int:
+    from django.utils import timezone
+
+    from django_outbox.models import OutboxEvent
+
+    rng = random.Random(seed)
+    now = timezone.now()
+    rows = []
+    for _n in range(events):
+        order = list(range(aggregates))
+        rng.shuffle(order)
+        rows += [
+            OutboxEvent(
+                event_id=uuid.uuid4().hex,
+                event_type=SAMPLE_EVENT_TYPE,
+                aggregate_type=SAMPLE_AGGREGATE_TYPE,
+                aggregate_id=str(a),
+                payload=SAMPLE_PAYLOAD,
+                occurred_at=SAMPLE_OCCURRED_AT,
+                created_at=now,
+                next_retry_time=now,
+            )
+            for a in order
+        ]
+    OutboxEvent.objects.bulk_create(rows, batch_size=2000)
+    return len(rows)
+
+
+def drain_rate(aggregates: int, events: int, *, ordered: bool, url: str, batch_size: int) -> float:
+    """Events/s of one relay draining the backlog (writing it is not measured)."""
+    from django.test.utils import override_settings
+
+    from django_outbox.backends.pika import PikaBackend
+    from django_outbox.models import OutboxEvent
+    from django_outbox.relay import Relay
+
+    OutboxEvent.objects.all().delete()
+    count = write_backlog(aggregates, events)
+    with (
+        bench_exchange(url, prefix="bench.ordered") as exchange,
+        override_settings(OUTBOX_ORDERED=ordered),
+    ):
+        relay = Relay(backend=PikaBackend(broker_url=url, exchange=exchange), batch_size=batch_size)
+        relay.backend.open()  # connecting is not what is measured
+        relay._opened = True
+        try:
+            with Stopwatch() as t:
+                result = relay.drain()
+        finally:
+            relay.close()
+    if result.sent != count or OutboxEvent.objects.pending().exists():
+        raise RuntimeError(f"drained {result.summary()} of {count} events")
+    return count / t.seconds
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--aggregates", type=int, default=1000)
+    p.add_argument("--events", type=int, default=20, help="events per aggregate")
+    p.add_argument("--hot", type=int, default=5000, help="events of the hot aggregate")
+    p.add_argument("--batch-size", type=int, default=100)
+    args = p.parse_args()
+    if args.smoke:
+        args.aggregates, args.events, args.hot = (
+            SMOKE["aggregates"],
+            SMOKE["events"],
+            SMOKE["hot"],
+        )
+    connection, old_name = setup_database()
+    print(f"database: {connection.vendor}, batch size {args.batch_size}", flush=True)
+    try:
+        for label, aggregates, events in (
+            (f"many aggregates ({args.aggregates} x {args.events})", args.aggregates, args.events),
+            (f"hot aggregate (1 x {args.hot})", 1, args.hot),
+        ):
+            count = aggregates * events
+            rates = {
+                ordered: best_of(
+                    args.repeat,
+                    lambda a=aggregates, e=events, o=ordered: drain_rate(
+                        a, e, ordered=o, url=args.url, batch_size=args.batch_size
+                    ),
+                )
+                for ordered in (False, True)
+            }
+            report(f"{label}, unordered = baseline", rates[False], count=count)
+            report(f"{label}, ordered", rates[True], baseline=rates[False], count=count)
+    finally:
+        connection.creation.destroy_test_db(old_name, verbosity=0)
+
+
+if __name__ == "__main__":
+    main()
