@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -132,6 +133,8 @@ def main() -> None:
             SMOKE["events"],
             SMOKE["hot"],
         )
+    # A SIGTERM (e.g. `timeout`) still drops the database, the exchange and the queue.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     connection, old_name = setup_database()
     print(f"database: {connection.vendor}, batch size {args.batch_size}", flush=True)
     try:

@@ -50,8 +50,7 @@ class Messages:
     ORDERED_DEAD_HEAD = "OUTBOX_ORDERED_DEAD_HEAD must be 'block' or 'skip', got {value!r}."
     ORDERED_ISOLATION = (
         "Database {alias!r} runs at isolation level {level!r}; ordered mode (OUTBOX_ORDERED) "
-        "needs READ COMMITTED on MySQL/MariaDB, or two relays may publish an aggregate's "
-        "events out of order."
+        "is built and tested for READ COMMITTED on MySQL/MariaDB (docs/ordered.md)."
     )
     ALERTS = "OUTBOX_ALERTS entry {index} is invalid: {problem}."
     RETENTION = (
@@ -296,7 +295,7 @@ def _positive(value: Any) -> bool:
 
 @register()
 def check_ordered_isolation(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Ordered mode's head check needs each statement to see what committed before it."""
+    """Ordered mode's claim is reasoned about (and tested) statement by statement."""
     if not outbox_settings.ORDERED:
         return []
     errors: list[CheckMessage] = []

@@ -110,3 +110,23 @@ def test_checks_are_registered():
     registry = checks.registry.registry
     registered = {c.__name__ for c in registry.get_checks(include_deployment_checks=True)}
     assert {"check_backend", "check_settings", "check_sqlite", "check_skip_locked"} <= registered
+
+
+def test_ordered_checks(settings, monkeypatch):
+    from django.conf import settings as django_settings
+
+    from django_outbox.checks import check_ordered_isolation
+
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "drop"
+    assert Codes.ORDERED in ids(check_settings())
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+    assert Codes.ORDERED not in ids(check_settings())
+    settings.OUTBOX_ORDERED = True
+    db = django_settings.DATABASES["default"]
+    monkeypatch.setitem(db, "ENGINE", "django.db.backends.mysql")
+    monkeypatch.setitem(db, "OPTIONS", {})
+    assert Codes.ORDERED_ISOLATION not in ids(check_ordered_isolation())
+    monkeypatch.setitem(db, "OPTIONS", {"isolation_level": "repeatable read"})
+    assert Codes.ORDERED_ISOLATION in ids(check_ordered_isolation())
+    settings.OUTBOX_ORDERED = False
+    assert check_ordered_isolation() == []

@@ -296,3 +296,22 @@ def test_dashboard_and_banner_show_blocked_aggregates(blocked_aggregate, client,
     assert change in body
     banner = client.get(reverse("admin:django_outbox_outboxevent_changelist")).content.decode()
     assert "1 aggregate is blocked by a dead event" in banner
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(("value", "expected"), [("1", "True"), ("0", "False"), (None, "False")])
+def test_demo_project_turns_ordered_mode_on_from_the_environment(value, expected):
+    import os
+    import subprocess
+
+    from tests.utils.subprocess import manage_command
+
+    env = {k: v for k, v in os.environ.items() if k != "OUTBOX_ORDERED"}
+    env.update(DJANGO_SETTINGS_MODULE="config.settings", DATABASE_URL="sqlite://:memory:")
+    if value is not None:
+        env["OUTBOX_ORDERED"] = value
+    code = "from django.conf import settings; print(settings.OUTBOX_ORDERED)"
+    out = subprocess.run(
+        manage_command("shell", "-c", code), env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == expected
