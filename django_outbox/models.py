@@ -72,8 +72,8 @@ class OutboxEvent(models.Model):
                 fields=["aggregate_type", "aggregate_id", "id"],
                 name="django_outbox_aggregate_idx",
             ),
-            # Ordered mode's "is there an earlier unsent event of this aggregate?" probe:
-            # with status before id it skips the aggregate's sent history.
+            # Ordered mode's per-aggregate lookups (the last SENT event before a head, the
+            # PENDING events behind a dead one): status before id skips the other states.
             models.Index(
                 fields=["aggregate_type", "aggregate_id", "status", "id"],
                 name="django_outbox_agg_head_idx",

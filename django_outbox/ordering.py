@@ -4,9 +4,10 @@ An *ordered* row (``OUTBOX_ORDERED``: ``True`` for every event, or a list of eve
 and/or aggregate types) with a non-empty ``aggregate_id`` may only be claimed while it is
 the *head* of its aggregate: no earlier ordered row of the same (``aggregate_type``,
 ``aggregate_id``) is still PENDING (claimed, in retry backoff or not yet tried) or, with the
-default ``OUTBOX_ORDERED_DEAD_HEAD = "block"``, DEAD. The rule is a ``NOT EXISTS`` filter
-inside the claim query itself (see :meth:`OutboxEventQuerySet.claim`), so it holds across
-any number of relays and the compensator without a lock table or an advisory lock: a head
+default ``OUTBOX_ORDERED_DEAD_HEAD = "block"``, DEAD. The rule is a filter (``id IN`` the
+aggregates' heads) inside the claim query itself (see :meth:`OutboxEventQuerySet.claim`),
+so it holds across any number of relays and the compensator without a lock table or an
+advisory lock: a head
 stays PENDING until it is SENT, and while it is PENDING every claim excludes its successors.
 
 Rows without an ``aggregate_id`` are never ordered: they have no aggregate to wait for.
@@ -77,30 +78,6 @@ def is_ordered(event: Any, ordered: Ordered | None = None) -> bool:
 def blocking_statuses(policy: str | None = None) -> tuple[int, ...]:
     policy = current_dead_head_policy() if policy is None else policy
     return (PENDING,) if policy == SKIP else (PENDING, DEAD)
-
-
-def earlier_blockers(
-    base: OutboxEventQuerySet, ordered: Ordered, policy: str | None = None
-) -> QuerySet[OutboxEvent, Any]:
-    """Earlier ordered rows of the outer row's aggregate that keep it from being a head.
-
-    Meant for ``Exists(...)`` against an outer OutboxEvent query. The lookup is served by
-    the ``django_outbox_agg_head_idx`` index (aggregate_type, aggregate_id, status, id): it
-    jumps straight to the aggregate's unsent rows instead of walking its sent history.
-    """
-    q = ordered_q(ordered)
-    assert q is not None
-    return (
-        base.filter(
-            aggregate_type=OuterRef("aggregate_type"),
-            aggregate_id=OuterRef("aggregate_id"),
-            status__in=blocking_statuses(policy),
-            id__lt=OuterRef("id"),
-        )
-        .filter(q)
-        .order_by()
-        .values("id")
-    )
 
 
 def previous_sent(base: OutboxEventQuerySet, ordered: Ordered) -> QuerySet[OutboxEvent, Any]:

@@ -148,7 +148,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             self.filter(status=DEAD)
             .filter(q)
             .filter(models.Exists(later))
-            .exclude(models.Exists(ordering.earlier_blockers(base, ordered, ordering.BLOCK)))
+            .filter(id__in=ordering.heads(base, ordered, ordering.BLOCK))
             .annotate(waiting=models.Subquery(waiting, output_field=models.IntegerField()))
             .order_by("id")
         )
