@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -90,3 +91,16 @@ class OrderedLedgerHandler(OrderedParkHandler):
 class OrderedAdoptingHandler(OrderedParkHandler):
     name = "tests.ordered_adopt"
     adopt_running_aggregates = True
+
+
+class GatedOrderedHandler(OrderedParkHandler):
+    """Waits inside handle() (after the order check) until the test releases it."""
+
+    name = "tests.ordered_gated"
+    entered = threading.Event()
+    release = threading.Event()
+
+    def handle(self, event):
+        super().handle(event)
+        type(self).entered.set()
+        assert type(self).release.wait(30)

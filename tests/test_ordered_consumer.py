@@ -227,3 +227,45 @@ def test_consumer_dead_letters_a_rejected_early_message(broker):
     assert processed_sequences() == [10]
     got = broker.get(broker.dlq)
     assert got is not None and got[1].message_id == early
+
+
+def test_two_consumers_take_successive_events_of_an_aggregate_one_after_the_other(db_vendor):
+    """The aggregate's row is locked by the first until it commits; the second then sees it.
+
+    Without the lock the second would read the old last sequence and park its event.
+    """
+    import threading
+    import time
+
+    from django.db import connection
+
+    from tests.consumer_handlers import GatedOrderedHandler as Gated
+
+    if db_vendor == "sqlite":
+        pytest.skip("concurrent transactions need PostgreSQL or MariaDB")
+    Gated.release.set()
+    assert outcome(Dispatcher(handlers=[Gated]), ordered_event(10, 0)) is Outcome.PROCESSED
+    Gated.release.clear()
+    Gated.entered.clear()
+    results: dict[str, Outcome] = {}
+
+    def consume(name: str, event) -> None:
+        try:
+            results[name] = outcome(Dispatcher(handlers=[Gated]), event)
+        finally:
+            connection.close()
+
+    first = threading.Thread(target=consume, args=("first", ordered_event(20, 10)))
+    second = threading.Thread(target=consume, args=("second", ordered_event(30, 20)))
+    try:
+        first.start()
+        assert Gated.entered.wait(30)
+        second.start()
+        time.sleep(1.0)
+        assert "second" not in results  # waiting for the first one's row lock
+    finally:
+        Gated.release.set()
+        first.join(30)
+        second.join(30)
+    assert results == {"first": Outcome.PROCESSED, "second": Outcome.PROCESSED}
+    assert processed_sequences() == [10, 20, 30]
