@@ -227,6 +227,14 @@ class Relay:
                     [(r, res) for r, res in failed if r.pk in ours]
                 )
                 result.dead = len(result.dead_events)
+                if len(ours) < len(failed) + len(lost):
+                    logger.warning(
+                        "[%s] %d of %d failed or unconfirmed events had been taken over by "
+                        "another relay (this relay outlived its lease); left as it settled them",
+                        self.job,
+                        len(failed) + len(lost) - len(ours),
+                        len(failed) + len(lost),
+                    )
                 lost_ours = [r for r, _ in lost if r.pk in ours]
                 if lost_ours:
                     result.released = self._release_rows(

@@ -323,11 +323,10 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
             wait_until(lambda: sent_count() == total, timeout=120, what="all SENT", group=others)
             frozen.signal(0, signal.SIGCONT)
             # Its settle is fenced: the rows it held were settled by the others meanwhile
-            # (confirmed: "taken over"; timed out while frozen: a failure on no row).
+            # ("taken over", whether its confirms came, timed out or its connection was
+            # closed by the broker's heartbeat while it was frozen).
             wait_until(
-                lambda: any(
-                    text in frozen.output() for text in ("taken over by another relay", "failed")
-                ),
+                lambda: "taken over by another relay" in frozen.output(),
                 timeout=60,
                 what="the resumed relay's fenced settle",
                 group=frozen,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from datetime import timedelta
 
@@ -212,6 +213,25 @@ def test_settle_is_fenced_on_the_lease_token():
     assert (result.sent, result.failed, result.dead) == (0, 0, 0)
     for event in OutboxEvent.objects.all():
         assert event.status == Status.SENT and event.retry_count == 0 and event.last_error == ""
+
+
+def test_stale_relay_says_its_failed_and_unconfirmed_rows_were_taken_over(caplog):
+    """Its confirms never came (say the broker closed its connection while it was frozen):
+    the rows stay as the other relay settled them, and the log says why nothing changed."""
+    emit_many(2)
+    stale = make_relay(lease_seconds=60)
+    token, rows = stale.claim(10)
+    OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
+    assert make_relay().drain().sent == 2
+    results = [
+        PublishResult.failed(Reason.TIMEOUT, "late"),
+        PublishResult.failed(Reason.CONNECTION_LOST, "heartbeat"),
+    ]
+    with caplog.at_level(logging.WARNING, logger="django_outbox.relay"):
+        result = stale.settle(token, rows, results)
+    assert (result.sent, result.failed, result.released) == (0, 0, 0)
+    assert "2 of 2 failed or unconfirmed events had been taken over" in caplog.text
+    assert set(OutboxEvent.objects.values_list("status", flat=True)) == {Status.SENT}
 
 
 def test_settle_uses_few_statements():
