@@ -132,12 +132,22 @@ def peak_rss_mib() -> float:
     return peak / 1024
 
 
-def report(name: str, rate: float, *, baseline: float | None = None, count: int = 0) -> str:
-    """Print (and return) one result line; the ratio is ``rate / baseline``."""
+def report(
+    name: str,
+    rate: float,
+    *,
+    baseline: float | None = None,
+    count: int = 0,
+    peak_rss: float | None = None,
+) -> str:
+    """Print (and return) one result line; the ratio is ``rate / baseline``.
+
+    ``peak_rss`` (MiB) is that of the process measured, when it is not this one.
+    """
     parts = [f"{name:<40}", f"{rate:>10,.0f} events/s"]
     if count:
         parts.append(f"{count:>8,} msgs")
-    parts.append(f"peak RSS {peak_rss_mib():6.1f} MiB")
+    parts.append(f"peak RSS {peak_rss_mib() if peak_rss is None else peak_rss:6.1f} MiB")
     if baseline:
         parts.append(f"ratio {rate / baseline:5.2f}")
     line = "  ".join(parts)

@@ -1,0 +1,491 @@
+"""The relay end to end: publish_outbox on a real database and RabbitMQ, against raw pika.
+
+One run measures, on its own database (created on the server, dropped afterwards) and its
+own exchange and queue (deleted afterwards):
+
+1. the baseline: raw pika publishing the same messages with pipelined confirms, no
+   database (``bench.raw_pika``);
+2. drain: a ``manage.py publish_outbox`` child process, already running and connected,
+   is paused (``SIGSTOP``) while ``--count`` events are committed through ``emit()``, then
+   resumed: events/s from ``SIGCONT`` to the last row's ``sent_at``, and the ratio to (1),
+   measured back to back so both see the same machine load;
+3. latency: a producer commits ``--rate`` events/s for ``--seconds`` through
+   ``outbox.atomic()``/``emit()``, one event per transaction, from ``--producers``
+   threads; per event the time from its
+   commit to its ``sent_at`` (written in the settle, after the broker's confirm): p50/p99;
+4. the relay child's peak RSS (``VmHWM``), and its RSS when idle before the first drain.
+
+    python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3]
+        [--database postgres|mariadb] [--rate 500] [--seconds 10] [--producers 4] [--batch-size N]
+        [--profile relay.prof]
+
+With ``--repeat R`` every measurement runs R times; each run's lines are printed and the
+medians last. The server comes from ``--database-url``, else ``PG_URL``/``MARIADB_URL``,
+else ``DATABASE_URL`` when it names that kind of server, else the local default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from bench.common import (
+    SAMPLE_AGGREGATE_TYPE,
+    SAMPLE_EVENT_TYPE,
+    SAMPLE_OCCURRED_AT,
+    SAMPLE_PAYLOAD,
+    count_from,
+    parser,
+    report,
+)
+from bench.raw_pika import raw_pika_rate
+from django_outbox.masking import mask_url
+
+ROOT = Path(__file__).resolve().parents[1]
+MANAGE = ROOT / "testproject" / "manage.py"
+SERVERS = {
+    "postgres": ("PG_URL", "postgres://postgres@127.0.0.1:5432/postgres", ("postgres",)),
+    "mariadb": ("MARIADB_URL", "mysql://root@127.0.0.1:3306/mysql", ("mysql", "mariadb")),
+}
+SMOKE_SECONDS = 1.0
+
+
+# -- the benchmark's own database -----------------------------------------------------------
+def server_url(kind: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    env_name, default, schemes = SERVERS[kind]
+    if os.environ.get(env_name):
+        return os.environ[env_name]
+    current = os.environ.get("DATABASE_URL", "")
+    if urlsplit(current).scheme in schemes:
+        return current
+    return default
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, ""))
+
+
+def _admin_connection(url: str) -> Any:
+    parts = urlsplit(url)
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    if parts.scheme.startswith("postgres"):
+        import psycopg
+
+        return psycopg.connect(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 5432,
+            user=user or "postgres",
+            password=password or None,
+            dbname="postgres",
+            autocommit=True,
+        )
+    import MySQLdb
+
+    return MySQLdb.connect(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 3306,
+        user=user or "root",
+        password=password,
+    )
+
+
+@contextlib.contextmanager
+def bench_database(url: str) -> Iterator[str]:
+    """A fresh, uniquely named database on the server ``url`` points at; dropped afterwards.
+
+    Yields the URL of the new database.
+    """
+    name = f"outbox_bench_{uuid.uuid4().hex[:8]}"
+    postgres = urlsplit(url).scheme.startswith("postgres")
+    quoted = f'"{name}"' if postgres else f"`{name}`"
+    create = f"CREATE DATABASE {quoted}" + ("" if postgres else " CHARACTER SET utf8mb4")
+    admin = _admin_connection(url)
+    try:
+        admin.cursor().execute(create)
+        yield with_database(url, name)
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        drop = f"DROP DATABASE IF EXISTS {quoted}" + (" WITH (FORCE)" if postgres else "")
+        admin.cursor().execute(drop)
+        admin.close()
+
+
+def setup_django(database_url: str, exchange: str, amqp_url: str) -> dict[str, str]:
+    """Configure Django in this process; return the environment of the relay child."""
+    for path in (str(ROOT), str(ROOT / "testproject")):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    env = dict(os.environ)
+    env.update(
+        DJANGO_SETTINGS_MODULE="bench.settings",
+        DATABASE_URL=database_url,
+        BENCH_EXCHANGE=exchange,
+        AMQP_URL=amqp_url,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "testproject"), *filter(None, [env.get("PYTHONPATH")])]
+        ),
+        PYTHONUNBUFFERED="1",
+    )
+    os.environ.update(
+        {k: env[k] for k in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "BENCH_EXCHANGE")}
+    )
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+    return env
+
+
+# -- the relay child -------------------------------------------------------------------------
+def proc_kib(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class RelayChild:
+    """``python testproject/manage.py publish_outbox`` running in a child process."""
+
+    def __init__(self, env: dict[str, str], args: list[str], profile: str | None) -> None:
+        command = [sys.executable]
+        if profile:
+            command += ["-m", "cProfile", "-o", profile]
+        command += [str(MANAGE), "publish_outbox", *args]
+        self.log: TextIO = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in stop())
+        self.process = subprocess.Popen(
+            command, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def rss_mib(self) -> float:
+        return proc_kib(self.pid, "VmRSS") / 1024
+
+    def peak_rss_mib(self) -> float:
+        return proc_kib(self.pid, "VmHWM") / 1024
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(
+                f"publish_outbox exited with {self.process.returncode}:\n{self.output()}"
+            )
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        code = self.process.returncode
+        if code != 0:
+            print(f"publish_outbox exited with {code}:\n{self.output()}", file=sys.stderr)
+        self.log.close()
+        return code
+
+
+# -- producing and waiting -------------------------------------------------------------------
+def _emit(box: Any, sequence: int) -> Any:
+    return box.emit(
+        SAMPLE_EVENT_TYPE,
+        payload=SAMPLE_PAYLOAD,
+        aggregate_type=SAMPLE_AGGREGATE_TYPE,
+        aggregate_id=sequence,
+        occurred_at=SAMPLE_OCCURRED_AT,
+    )
+
+
+def load_backlog(count: int, chunk: int = 1000) -> None:
+    """Commit ``count`` events through emit(), ``chunk`` per transaction."""
+    from django_outbox import outbox
+
+    for start in range(0, count, chunk):
+        with outbox.atomic() as box:
+            for i in range(start, min(count, start + chunk)):
+                _emit(box, i)
+
+
+def analyze() -> None:
+    """Refresh the table's statistics, as autovacuum/autoanalyze would have by then."""
+    from django.db import connection
+
+    from django_outbox.models import OutboxEvent
+
+    table = connection.ops.quote_name(OutboxEvent._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"ANALYZE {table}" if connection.vendor == "postgresql" else f"ANALYZE TABLE {table}"
+        )
+        if connection.vendor != "postgresql":
+            cursor.fetchall()
+
+
+def wait_until_sent(relay: RelayChild, timeout: float) -> None:
+    from django.db import connection
+
+    from django_outbox.models import OutboxEvent, Status
+
+    deadline = time.monotonic() + timeout
+    while OutboxEvent.objects.exclude(status=Status.SENT).exists():
+        relay.check_alive()
+        if time.monotonic() > deadline:
+            counts = OutboxEvent.objects.all().status_counts()
+            raise RuntimeError(f"events not sent within {timeout:.0f} s: {counts}")
+        time.sleep(0.05)
+        connection.close_if_unusable_or_obsolete()
+
+
+def last_sent_at() -> float:
+    from django.db.models import Max
+
+    from django_outbox.models import OutboxEvent
+
+    value = OutboxEvent.objects.aggregate(last=Max("sent_at"))["last"]
+    return float(value.timestamp())
+
+
+def clear_outbox(amqp_url: str, queue: str) -> None:
+    """Empty the table and the bench queue so every run starts alike."""
+    import pika
+
+    from django_outbox.models import OutboxEvent
+
+    OutboxEvent.objects.all().delete()
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        connection.channel().queue_purge(queue)
+    finally:
+        connection.close()
+
+
+def warm_up(relay: RelayChild) -> None:
+    """A few events through the relay, so it has connected to the broker before timing."""
+    from django_outbox import outbox
+
+    with outbox.atomic() as box:
+        for i in range(10):
+            _emit(box, i)
+    wait_until_sent(relay, 60)
+
+
+def measure_drain(relay: RelayChild, count: int) -> float:
+    """Events/s of the relay over a backlog of ``count`` events committed while it was
+    paused (``SIGSTOP``, as if it had been down): from ``SIGCONT`` to the last ``sent_at``.
+    """
+    relay.process.send_signal(signal.SIGSTOP)
+    try:
+        load_backlog(count)
+        analyze()
+    finally:
+        resumed = time.time()
+        relay.process.send_signal(signal.SIGCONT)
+    wait_until_sent(relay, 120 + count / 50)
+    return count / (last_sent_at() - resumed)
+
+
+@dataclass
+class Latency:
+    offered: float
+    achieved: float
+    count: int
+    p50: float
+    p99: float
+    worst: float
+
+    def line(self) -> str:
+        return (
+            f"{'commit -> SENT (confirmed) latency':<40}  offered {self.offered:,.0f}/s "
+            f"(achieved {self.achieved:,.0f}/s, {self.count:,} events): "
+            f"p50 {self.p50 * 1000:6.1f} ms  p99 {self.p99 * 1000:6.1f} ms  "
+            f"max {self.worst * 1000:6.1f} ms"
+        )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def measure_latency(relay: RelayChild, rate: float, seconds: float, producers: int) -> Latency:
+    """Commit ``rate`` events/s, one per transaction, and time each one to its sent_at.
+
+    ``producers`` threads (each with its own connection, like the workers of a web app)
+    share the schedule: one thread cannot commit 500 transactions/s when every commit waits
+    for the WAL flush.
+    """
+    import threading
+
+    from django.db import connection
+
+    from django_outbox import outbox
+    from django_outbox.models import OutboxEvent
+
+    total = max(1, int(rate * seconds))
+    committed: dict[str, float] = {}
+    errors: list[BaseException] = []
+    started = time.perf_counter()
+
+    def produce(first: int) -> None:
+        try:
+            for i in range(first, total, producers):
+                pause = started + i / rate - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                with outbox.atomic() as box:
+                    event = _emit(box, i)
+                committed[event.event_id] = time.time()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    achieved = total / (time.perf_counter() - started)
+    wait_until_sent(relay, 60 + seconds)
+    rows = OutboxEvent.objects.filter(event_id__in=list(committed)).values_list(
+        "event_id", "sent_at"
+    )
+    latencies = [sent_at.timestamp() - committed[event_id] for event_id, sent_at in rows]
+    if len(latencies) != total:
+        raise RuntimeError(f"{len(latencies)} of {total} events found sent")
+    return Latency(
+        rate,
+        achieved,
+        total,
+        percentile(latencies, 0.50),
+        percentile(latencies, 0.99),
+        max(latencies),
+    )
+
+
+# -- the run ---------------------------------------------------------------------------------
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--database", choices=sorted(SERVERS), default="postgres")
+    p.add_argument("--database-url", default=None, help="the server (its database is unused)")
+    p.add_argument("--rate", type=float, default=500.0, help="offered load, events/s")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of the offered load")
+    p.add_argument("--producers", type=int, default=4, help="threads committing the load")
+    p.add_argument("--batch-size", type=int, default=None, help="publish_outbox --batch-size")
+    p.add_argument(
+        "--interval",
+        default=None,
+        help="publish_outbox --interval (default: its own on PostgreSQL, 100ms on MariaDB, "
+        "which has no NOTIFY to wake it)",
+    )
+    p.add_argument("--profile", default=None, help="run the relay under cProfile, to this file")
+    args = p.parse_args()
+    count = count_from(args)
+    seconds = SMOKE_SECONDS if args.smoke else args.seconds
+    server = server_url(args.database, args.database_url)
+    relay_args = []
+    if args.batch_size:
+        relay_args += ["--batch-size", str(args.batch_size)]
+    interval = args.interval or (None if args.database == "postgres" else "100ms")
+    if interval:
+        relay_args += ["--interval", interval]
+    print(
+        f"relay bench: {args.database} {mask_url(server)}, {mask_url(args.url)}, "
+        f"{count:,} events, {args.repeat} run(s), publish_outbox {' '.join(relay_args)}",
+        flush=True,
+    )
+
+    from bench.common import bench_exchange
+
+    with (
+        bench_database(server) as database_url,
+        bench_exchange(args.url, prefix="bench.relay") as exchange,
+    ):
+        env = setup_django(database_url, exchange, args.url)
+        relay = RelayChild(env, relay_args, args.profile)
+        code = 1
+        try:
+            warm_up(relay)
+            idle_rss = relay.rss_mib()
+            ratios, drains, baselines, latencies = [], [], [], []
+            for run in range(1, args.repeat + 1):
+                clear_outbox(args.url, exchange)
+                baseline = raw_pika_rate(count, url=args.url)
+                drain = measure_drain(relay, count)
+                clear_outbox(args.url, exchange)
+                latency = measure_latency(relay, args.rate, seconds, args.producers)
+                baselines.append(baseline)
+                drains.append(drain)
+                ratios.append(drain / baseline)
+                latencies.append(latency)
+                print(f"-- run {run}")
+                report("raw pika (window 1000) = baseline", baseline, count=count)
+                report(
+                    "publish_outbox drain",
+                    drain,
+                    baseline=baseline,
+                    count=count,
+                    peak_rss=relay.peak_rss_mib(),
+                )
+                print(latency.line(), flush=True)
+            peak = relay.peak_rss_mib()
+        finally:
+            code = relay.stop()
+    if code != 0:
+        raise SystemExit(f"publish_outbox exited with {code}")
+    median = statistics.median
+    print(f"-- median of {args.repeat} run(s)")
+    report("raw pika (window 1000) = baseline", median(baselines), count=count)
+    print(
+        f"{'publish_outbox drain':<40}  {median(drains):>10,.0f} events/s  {count:>8,} msgs  "
+        f"peak RSS {peak:6.1f} MiB (idle {idle_rss:.1f})  ratio {median(ratios):5.2f}"
+    )
+    print(
+        Latency(
+            args.rate,
+            median(x.achieved for x in latencies),
+            latencies[0].count,
+            median(x.p50 for x in latencies),
+            median(x.p99 for x in latencies),
+            max(x.worst for x in latencies),
+        ).line()
+    )
+    if args.profile:
+        import pstats
+
+        pstats.Stats(args.profile).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()

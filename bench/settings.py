@@ -1,0 +1,21 @@
+"""Settings of the relay benchmark (its own process and the publish_outbox child it starts).
+
+The demo project's settings, with the RabbitMQ backend on the benchmark's throwaway exchange
+(``BENCH_EXCHANGE``) and the database ``DATABASE_URL`` names (the benchmark's own one).
+"""
+
+import os
+
+from config.settings import *  # noqa: F403
+
+OUTBOX_BACKEND = "django_outbox.backends.pika.PikaBackend"
+OUTBOX_BROKER_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+OUTBOX_EXCHANGE = os.environ.get("BENCH_EXCHANGE", "outbox")
+SILENCED_SYSTEM_CHECKS = ["django_outbox.W004"]
+# Warnings and errors only: the relay's INFO lines would be timed along with the work.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"django_outbox": {"handlers": ["console"], "level": "WARNING"}},
+}
