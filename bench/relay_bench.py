@@ -323,12 +323,15 @@ class Latency:
     worst: float
 
     def line(self) -> str:
-        return (
+        text = (
             f"{'commit -> SENT (confirmed) latency':<40}  offered {self.offered:,.0f}/s "
             f"(achieved {self.achieved:,.0f}/s, {self.count:,} events): "
             f"p50 {self.p50 * 1000:6.1f} ms  p99 {self.p99 * 1000:6.1f} ms  "
             f"max {self.worst * 1000:6.1f} ms"
         )
+        if self.achieved < 0.9 * self.offered:
+            text += "\n  (the producers fell behind the offered rate: the machine is saturated)"
+        return text
 
 
 def percentile(values: list[float], q: float) -> float:
