@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.apps import apps
-from django.db import IntegrityError, close_old_connections, models, router, transaction
+from django.db import IntegrityError, models, router, transaction
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext_lazy as _
 
 from .conf import outbox_settings
+from .db import tidy_connections
 from .exceptions import OutboxError
 from .message import ReceivedEvent, UndecodableMessage, decode
 
@@ -636,11 +637,11 @@ class Consumer:
                     if until_idle or stop.is_set():
                         return True
                     continue
-                close_old_connections()
+                tidy_connections()
                 try:
                     outcome = self.handle_delivery(channel, method, properties, body)
                 finally:
-                    close_old_connections()
+                    tidy_connections()
                 result.add(outcome)
                 if self._dead_lettered_last:
                     result.dead_lettered += 1

@@ -31,6 +31,34 @@ def vendor(using: str) -> str:
     return connections[using].vendor
 
 
+def tidy_connections() -> None:
+    """Between relay passes: drop broken database connections, keep healthy ones.
+
+    ``close_old_connections()`` also closes every connection past ``CONN_MAX_AGE``, and
+    Django's default of 0 means every one, so a relay woken by each NOTIFY would reconnect
+    on every pass (a new PostgreSQL backend each time: the largest part of its latency).
+    A relay is a long-running worker, not a request: with ``CONN_MAX_AGE = 0`` it keeps
+    its connection as long as it works; a positive ``CONN_MAX_AGE`` is still honoured.
+    A connection that raised a database error is checked and closed if it is unusable,
+    as Django does, so the next pass reconnects after an outage.
+    """
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None:
+            continue
+        if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
+            conn.close()  # left in a transaction by a failure: start clean
+        elif conn.errors_occurred:
+            if conn.is_usable():
+                conn.errors_occurred = False
+            else:
+                # The driver may refuse to close a dead socket (MySQL error 2006); Django
+                # forgets the connection either way, which is all that is needed here.
+                with suppress(DatabaseError):
+                    conn.close()
+        elif conn.settings_dict.get("CONN_MAX_AGE"):
+            conn.close_if_unusable_or_obsolete()
+
+
 # -- run-once locks ----------------------------------------------------------------------------
 # One lock per name per process on SQLite (which has no server-side locks and, per check
 # W004, runs one relay process anyway).

@@ -28,14 +28,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections, router, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 
 from . import metrics, ordering
 from .alerts import notify_dead
 from .backends import get_backend
 from .backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
 from .conf import outbox_settings
-from .db import DbNow
+from .db import DbNow, tidy_connections
 from .models import OutboxEvent, Status
 from .querysets import OutboxEventQuerySet
 from .retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
@@ -438,7 +438,7 @@ class Relay:
         )
         try:
             while not stop.is_set():
-                close_old_connections()
+                tidy_connections()
                 self.beat()
                 remaining = None if max_events is None else max_events - total.found
                 if remaining is not None and remaining <= 0:
@@ -458,19 +458,19 @@ class Relay:
                     # the liveness probe catches a relay that stops making progress.
                     pause = backoff.next()
                     logger.exception("[%s] relay pass failed; retrying in %.1fs", self.job, pause)
-                    close_old_connections()
+                    tidy_connections()
                     stop.wait(pause)
                     continue
                 backoff.reset()
                 total.add(result)
                 if result.found:
                     logger.info("[%s] %s", self.job, result.summary())
-                close_old_connections()
+                tidy_connections()
                 waker.wait(interval)
         finally:
             waker.close()
             self._close_backend()
-            close_old_connections()
+            tidy_connections()
         return total
 
     # -- plumbing --------------------------------------------------------------------------
@@ -533,7 +533,7 @@ class Waker:
 class PostgresNotifyWaker(Waker):
     """Wakes as soon as a transaction that emitted events commits (LISTEN/NOTIFY).
 
-    Uses a dedicated connection so ``close_old_connections()`` never drops the LISTEN; if
+    Uses a dedicated connection so ``tidy_connections()`` never drops the LISTEN; if
     that connection fails, it falls back to polling and reconnects on the next wait.
     """
 
