@@ -19,11 +19,11 @@ from bench.common import (
     SAMPLE_EVENT_TYPE,
     SAMPLE_OCCURRED_AT,
     SAMPLE_PAYLOAD,
-    Stopwatch,
     bench_exchange,
     best_of,
     count_from,
     parser,
+    publish_rate,
     report,
     setup_django,
 )
@@ -63,17 +63,7 @@ def backend_rate(count: int, *, url: str, batch_size: int, exchange: str | None 
     rows = make_rows(count)
     batches = [rows[i : i + batch_size] for i in range(0, count, batch_size)]
     backend = PikaBackend(broker_url=url, exchange=exchange)
-    backend.open()  # connecting is not what is measured (the relay connects once)
-    try:
-        with Stopwatch() as t:
-            for batch in batches:
-                results = backend.publish(batch)
-                if not all(r.ok for r in results):
-                    failed = next(r for r in results if not r.ok)
-                    raise RuntimeError(f"publish failed: {failed.reason}: {failed.error}")
-    finally:
-        backend.close()
-    return count / t.seconds
+    return publish_rate(backend, batches)
 
 
 def main() -> None:

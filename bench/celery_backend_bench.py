@@ -25,6 +25,7 @@ from bench.common import (
     best_of,
     count_from,
     parser,
+    publish_rate,
     report,
     setup_django,
 )
@@ -71,17 +72,7 @@ def celery_rate(count: int, *, url: str, batch_size: int, tasks: bool) -> float:
             exchange=exchange,
             tasks={rows[0].event_type: TASK} if tasks else {},
         )
-        backend.open()
-        try:
-            with Stopwatch() as t:
-                for batch in batches:
-                    results = backend.publish(batch)
-                    if not all(r.ok for r in results):
-                        failed = next(r for r in results if not r.ok)
-                        raise RuntimeError(f"publish failed: {failed.reason}: {failed.error}")
-        finally:
-            backend.close()
-    return count / t.seconds
+        return publish_rate(backend, batches)
 
 
 def raw_kombu_rate(count: int, *, url: str) -> float:

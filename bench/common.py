@@ -100,15 +100,35 @@ class Stopwatch:
         self.seconds = time.perf_counter() - self.started
 
 
+def publish_rate(backend: Any, batches: list[list[Any]]) -> float:
+    """Events/s of ``backend.publish()`` over ``batches``, as the relay hands them over.
+
+    The backend is opened first (connecting is not what is measured: the relay connects
+    once) and closed after; any failed event stops the run, since a rate of failures means
+    nothing.
+    """
+    backend.open()
+    try:
+        with Stopwatch() as t:
+            for batch in batches:
+                results = backend.publish(batch)
+                if not all(r.ok for r in results):
+                    failed = next(r for r in results if not r.ok)
+                    raise RuntimeError(f"publish failed: {failed.reason}: {failed.error}")
+    finally:
+        backend.close()
+    return sum(len(b) for b in batches) / t.seconds
+
+
 def best_of(repeat: int, run: Callable[[], float]) -> float:
     """Run ``run`` (which returns events/s) ``repeat`` times and keep the fastest."""
     return max(run() for _ in range(max(1, repeat)))
 
 
-def _proc_status_kib(field: str) -> int:
-    """A ``VmRSS``/``VmHWM`` figure of this process in KiB, read from /proc (Linux)."""
+def proc_status_kib(field: str, pid: int | str = "self") -> int:
+    """A ``VmRSS``/``VmHWM`` figure of a process (this one by default) in KiB, from /proc."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -119,12 +139,12 @@ def _proc_status_kib(field: str) -> int:
 
 def rss_mib() -> float:
     """Current resident memory of this process, MiB (0 where /proc is missing)."""
-    return _proc_status_kib("VmRSS") / 1024
+    return proc_status_kib("VmRSS") / 1024
 
 
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far, MiB."""
-    peak = _proc_status_kib("VmHWM")
+    peak = proc_status_kib("VmHWM")
     if not peak:
         import resource
 

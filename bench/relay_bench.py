@@ -48,6 +48,7 @@ from bench.common import (
     SAMPLE_PAYLOAD,
     count_from,
     parser,
+    proc_status_kib,
     report,
 )
 from bench.raw_pika import raw_pika_rate
@@ -155,17 +156,6 @@ def setup_django(database_url: str, exchange: str, amqp_url: str) -> dict[str, s
 
 
 # -- the relay child -------------------------------------------------------------------------
-def proc_kib(pid: int, field: str) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 class RelayChild:
     """``python testproject/manage.py publish_outbox`` running in a child process."""
 
@@ -184,10 +174,10 @@ class RelayChild:
         return self.process.pid
 
     def rss_mib(self) -> float:
-        return proc_kib(self.pid, "VmRSS") / 1024
+        return proc_status_kib("VmRSS", self.pid) / 1024
 
     def peak_rss_mib(self) -> float:
-        return proc_kib(self.pid, "VmHWM") / 1024
+        return proc_status_kib("VmHWM", self.pid) / 1024
 
     def check_alive(self) -> None:
         if self.process.poll() is not None:
