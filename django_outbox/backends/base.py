@@ -149,3 +149,35 @@ class BaseBackend:
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
         """Configuration problems of this backend, reported by ``manage.py check``."""
         return []
+
+
+class AmqpBackend(BaseBackend):
+    """Base of the backends that publish to RabbitMQ (pika, Celery): their shared options.
+
+    ``exchange_type`` (``OUTBOX_EXCHANGE_TYPE``), ``exchange_passive``
+    (``OUTBOX_EXCHANGE_PASSIVE``), ``confirm_timeout`` (``OUTBOX_CONFIRM_TIMEOUT``) and
+    ``connect_timeout`` (``OUTBOX_CONNECT_TIMEOUT``), each defaulting to its setting.
+    """
+
+    def __init__(
+        self,
+        *,
+        exchange_type: str | None = None,
+        exchange_passive: bool | None = None,
+        confirm_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.exchange_type = (
+            outbox_settings.EXCHANGE_TYPE if exchange_type is None else exchange_type
+        )
+        self.exchange_passive = (
+            outbox_settings.EXCHANGE_PASSIVE if exchange_passive is None else exchange_passive
+        )
+        self.confirm_timeout = float(
+            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
+        )
+        self.connect_timeout = float(
+            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+        )

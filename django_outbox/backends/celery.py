@@ -65,7 +65,7 @@ from django.utils.module_loading import import_string
 from ..checks import Codes
 from ..conf import outbox_settings
 from ..message import CONTENT_TYPE, encode_body, encode_headers, encode_task_envelope
-from .base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -91,7 +91,7 @@ def load_app(path: str | celery.Celery | None = None) -> celery.Celery:
     return app
 
 
-class CeleryBackend(BaseBackend):
+class CeleryBackend(AmqpBackend):
     """Publish through the project's Celery app: task messages or plain outbox messages.
 
     Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting: ``app``
@@ -106,28 +106,12 @@ class CeleryBackend(BaseBackend):
         *,
         app: str | celery.Celery | None = None,
         tasks: dict[str, str] | None = None,
-        exchange_type: str | None = None,
-        exchange_passive: bool | None = None,
-        confirm_timeout: float | None = None,
-        connect_timeout: float | None = None,
-        **options: Any,
+        **options: Any,  # exchange_type, exchange_passive, ...: see AmqpBackend
     ) -> None:
         super().__init__(**options)
         self._app_path = app
         self._app: celery.Celery | None = app if isinstance(app, celery.Celery) else None
         self.tasks = dict(outbox_settings.CELERY_TASKS if tasks is None else tasks)
-        self.exchange_type = (
-            outbox_settings.EXCHANGE_TYPE if exchange_type is None else exchange_type
-        )
-        self.exchange_passive = (
-            outbox_settings.EXCHANGE_PASSIVE if exchange_passive is None else exchange_passive
-        )
-        self.confirm_timeout = float(
-            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
-        )
-        self.connect_timeout = float(
-            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        )
         self._connection: Connection | None = None
         self._channel: Any = None
         self._producer: Producer | None = None

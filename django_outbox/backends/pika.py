@@ -37,7 +37,7 @@ from pika.adapters.select_connection import IOLoop, SelectConnection
 from ..conf import outbox_settings
 from ..masking import mask_url
 from ..message import CONTENT_TYPE, encode_body, encode_headers
-from .base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason
 
 if TYPE_CHECKING:
     from pika.channel import Channel
@@ -57,7 +57,7 @@ CLOSE_TIMEOUT = 2.0
 FLUSH_EVERY = 50
 
 
-class PikaBackend(BaseBackend):
+class PikaBackend(AmqpBackend):
     """Publish outbox events to a RabbitMQ exchange with confirms, ``mandatory`` and
     persistent delivery.
 
@@ -73,26 +73,10 @@ class PikaBackend(BaseBackend):
         self,
         *,
         broker_url: str | None = None,
-        exchange_type: str | None = None,
-        exchange_passive: bool | None = None,
-        confirm_timeout: float | None = None,
-        connect_timeout: float | None = None,
-        **options: Any,
+        **options: Any,  # exchange_type, exchange_passive, ...: see AmqpBackend
     ) -> None:
         super().__init__(**options)
         self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
-        self.exchange_type = (
-            outbox_settings.EXCHANGE_TYPE if exchange_type is None else exchange_type
-        )
-        self.exchange_passive = (
-            outbox_settings.EXCHANGE_PASSIVE if exchange_passive is None else exchange_passive
-        )
-        self.confirm_timeout = float(
-            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
-        )
-        self.connect_timeout = float(
-            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        )
         self.masked_url = mask_url(self.broker_url)
 
         self._ioloop: IOLoop | None = None
