@@ -94,7 +94,7 @@ class OutboxSettings:
         10.0,
         "Seconds to wait for the broker connection (also the blocked-connection timeout).",
     )
-    BATCH_SIZE: Setting[int] = Setting(500, "Events claimed and published per relay batch.")
+    BATCH_SIZE: Setting[int] = Setting(100, "Events claimed and published per relay batch.")
     POLL_INTERVAL: Setting[float] = Setting(
         1.0, "Seconds the relay sleeps when nothing is due (a NOTIFY wakes it sooner)."
     )

@@ -156,65 +156,33 @@ class Relay:
 
     def run_batch(self, limit: int | None = None) -> PassResult:
         """Claim, publish and settle one batch. Raises BrokerOutage after releasing it."""
+        started = time.monotonic()
         token, rows = self.claim(limit or self.batch_size)
         if not rows:
             return PassResult()
-        return self._publish_and_settle(token, rows)[0]
-
-    def _publish_and_settle(
-        self,
-        token: str,
-        rows: list[OutboxEvent],
-        claim_next: Callable[[], tuple[str, list[OutboxEvent]]] | None = None,
-    ) -> tuple[PassResult, tuple[str, list[OutboxEvent]]]:
-        """Publish a claimed batch and settle it; returns the result and the next claim.
-
-        ``claim_next`` runs while the broker confirms this batch (after the backend's
-        ``send``, before its ``wait``), so the next claim's round trips overlap the
-        broker's disk writes. Its short transaction has committed before ``wait``: no
-        transaction is open across the network wait. If this batch ends in an exception,
-        the next claim is given back before it propagates.
-        """
-        started = time.monotonic()
-        following: tuple[str, list[OutboxEvent]] = ("", [])
         try:
-            try:
-                self._ensure_open()
-                self.backend.send(rows)
-                if claim_next is not None:
-                    try:
-                        following = claim_next()
-                    except Exception:
-                        # Not this batch's fault: settle it; the next claim meets the error.
-                        logger.warning("[%s] claiming ahead failed", self.job, exc_info=True)
-                results = self.backend.wait()
-            except BrokerUnavailable as exc:
-                self.release(token, rows, f"broker unavailable: {exc}")
-                raise BrokerOutage(str(exc)) from exc
-            except Exception as exc:
-                # A bug or an unexpected library error: count it against the rows (they may
-                # be what triggers it) rather than loop on them forever.
-                logger.exception(
-                    "[%s] backend raised while publishing %d events", self.job, len(rows)
-                )
-                reason = f"{type(exc).__name__}: {exc}"
-                results = [PublishResult.failed(Reason.ERROR, reason)] * len(rows)
-            if len(results) != len(rows):
-                raise RuntimeError(
-                    f"{type(self.backend).__name__}.publish() returned {len(results)} results "
-                    f"for {len(rows)} events; a backend must return one result per event."
-                )
-            result = self.settle(token, rows, results)
-            result.batches = 1
-            metrics.batch_duration(time.monotonic() - started, self.job)
-            if result.released:
-                raise BrokerOutage(
-                    f"connection lost with {result.released} events unconfirmed", result
-                )
-        except BaseException:
-            self.give_back(*following)
-            raise
-        return result, following
+            self._ensure_open()
+            results = self.backend.publish(rows)
+        except BrokerUnavailable as exc:
+            self.release(token, rows, f"broker unavailable: {exc}")
+            raise BrokerOutage(str(exc)) from exc
+        except Exception as exc:
+            # A bug or an unexpected library error: count it against the rows (they may be
+            # what triggers it) rather than loop on them forever.
+            logger.exception("[%s] backend raised while publishing %d events", self.job, len(rows))
+            reason = f"{type(exc).__name__}: {exc}"
+            results = [PublishResult.failed(Reason.ERROR, reason)] * len(rows)
+        if len(results) != len(rows):
+            raise RuntimeError(
+                f"{type(self.backend).__name__}.publish() returned {len(results)} results for "
+                f"{len(rows)} events; a backend must return one result per event."
+            )
+        result = self.settle(token, rows, results)
+        result.batches = 1
+        metrics.batch_duration(time.monotonic() - started, self.job)
+        if result.released:
+            raise BrokerOutage(f"connection lost with {result.released} events unconfirmed", result)
+        return result
 
     def settle(
         self, token: str, rows: Sequence[OutboxEvent], results: Sequence[PublishResult]
@@ -331,27 +299,6 @@ class Relay:
         metrics.failed(Reason.CONNECTION_LOST.value, len(rows), self.job)
         return n
 
-    def give_back(self, token: str, rows: Sequence[OutboxEvent]) -> None:
-        """Release a claim that was never published (claimed ahead, then not needed).
-
-        Best effort: if the database is gone too, the lease runs out by itself.
-        """
-        if not rows:
-            return
-        try:
-            with transaction.atomic(using=self.using):
-                self.queryset().held_by(token).filter(pk__in=[r.pk for r in rows]).update(
-                    next_retry_time=DbNow(), lease_token=""
-                )
-        except Exception:
-            logger.warning(
-                "[%s] could not give back %d claimed events; they are due again when their "
-                "lease runs out",
-                self.job,
-                len(rows),
-                exc_info=True,
-            )
-
     # -- passes ----------------------------------------------------------------------------
     def drain(
         self,
@@ -361,56 +308,29 @@ class Relay:
     ) -> PassResult:
         """Run batches until nothing is due (or ``max_events``), then alert on dead rows.
 
-        Pipelined: after a full batch is written to the broker, the next one is claimed
-        while its confirms come back. A claim made ahead but not published (a stop, an
-        outage) is given back at once.
-
         Raises BrokerOutage when the broker went away (after alerting on what died).
         """
         total = PassResult()
         ordered = ordering.is_enabled()
-        ahead: tuple[str, list[OutboxEvent]] = ("", [])  # claimed during the last batch
-
-        def limit_after(found: int) -> int:
-            if max_events is None:
-                return self.batch_size
-            return min(self.batch_size, max_events - found)
-
         try:
             while not should_stop():
-                limit = limit_after(total.found)
-                if limit <= 0:
-                    break
-                token, rows = ahead if ahead[1] else self.claim(limit)
-                ahead = ("", [])
-                if not rows:
-                    break
-                full = len(rows) >= limit
-
-                def claim_next(
-                    found: int = total.found + len(rows),
-                ) -> tuple[str, list[OutboxEvent]]:
-                    following = limit_after(found)
-                    if following <= 0 or should_stop():
-                        return "", []
-                    return self.claim(following)
-
+                limit = self.batch_size
+                if max_events is not None:
+                    limit = min(limit, max_events - total.found)
+                    if limit <= 0:
+                        break
                 try:
-                    result, ahead = self._publish_and_settle(
-                        token, rows, claim_next if full else None
-                    )
+                    result = self.run_batch(limit)
                 except BrokerOutage as exc:
                     total.add(exc.result)
                     raise
                 total.add(result)
                 self.beat()
-                # A short batch, or nothing was due behind a full one: done. In ordered mode
-                # a batch holds one event per aggregate and what it settled lets the next
-                # events of those aggregates become heads, so go on while it settles some.
-                if not ahead[1] and not (ordered and (result.sent or result.dead)):
+                # In ordered mode a batch holds one event per aggregate: what it settled
+                # lets the next events of those aggregates become heads, so go on.
+                if result.found < limit and not (ordered and (result.sent or result.dead)):
                     break
         finally:
-            self.give_back(*ahead)
             if total.dead_events:
                 notify_dead(total.dead_events)
         return total

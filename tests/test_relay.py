@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from django_outbox import outbox
 from django_outbox.backends import locmem
-from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason
+from django_outbox.backends.base import PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import BrokerOutage, Relay
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
@@ -302,79 +302,3 @@ def test_compensate_outbox_command_sends_stale_rows_and_exits_1_on_a_failure():
     failed = OutboxEvent.objects.get(id=stale[0])
     assert (failed.status, failed.retry_count) == (Status.PENDING, 1)
     assert list(OutboxEvent.objects.sent().values_list("id", flat=True)) == [stale[1]]
-
-
-class Observing(locmem.LocmemBackend):
-    """Records, each time the relay waits for confirms, what the database holds."""
-
-    def __init__(self, on_wait=None, **options):
-        super().__init__(**options)
-        self.on_wait = on_wait or (lambda: None)
-        self.seen: list[tuple[int, bool]] = []
-
-    def wait(self):
-        leased = OutboxEvent.objects.pending().exclude(lease_token="").count()
-        self.seen.append((leased, connection.in_atomic_block))
-        self.on_wait()
-        return super().wait()
-
-
-def test_drain_claims_the_next_batch_while_confirms_are_outstanding():
-    emit_many(250)
-    backend = Observing()
-    result = make_relay(backend=backend, batch_size=100).drain()
-    assert (result.sent, result.batches) == (250, 3)
-    # While batch 1 is being confirmed, batch 2 is already claimed (200 leased); the
-    # claim's transaction has committed: none is open while waiting for the broker.
-    assert backend.seen == [(200, False), (150, False), (50, False)]
-    assert [m.headers["sequence"] for m in locmem.outbox] == sorted(
-        OutboxEvent.objects.values_list("id", flat=True)
-    )
-
-
-def test_a_claim_made_ahead_is_given_back_when_the_relay_stops():
-    emit_many(250)
-    stop = threading.Event()
-    result = make_relay(backend=Observing(on_wait=stop.set), batch_size=100).drain(
-        should_stop=stop.is_set
-    )
-    assert (result.sent, result.batches) == (100, 1)
-    waiting = OutboxEvent.objects.pending()
-    assert waiting.count() == 150
-    assert not waiting.exclude(lease_token="").exists()
-    assert OutboxEvent.objects.due().count() == 150  # due again at once
-    assert all(e.retry_count == 0 and e.last_error == "" for e in waiting)
-
-
-def test_a_claim_made_ahead_is_given_back_when_the_broker_goes_away():
-    emit_many(250)
-
-    class Outage(locmem.LocmemBackend):
-        calls = 0
-
-        def publish(self, events):
-            self.calls += 1
-            if self.calls == 2:  # batch 3 is claimed by now
-                raise BrokerUnavailable("gone")
-            return super().publish(events)
-
-    relay = make_relay(backend=Outage(), batch_size=100)
-    with pytest.raises(BrokerOutage):
-        relay.drain()
-    assert OutboxEvent.objects.sent().count() == 100
-    waiting = OutboxEvent.objects.pending()
-    assert waiting.count() == 150
-    assert not waiting.exclude(lease_token="").exists()
-    assert all(e.retry_count == 0 for e in waiting)
-    assert relay.drain().sent == 150
-
-
-def test_default_backend_send_then_wait_is_publish():
-    events = emit_many(2)
-    backend = locmem.LocmemBackend()
-    backend.send(events)
-    with pytest.raises(RuntimeError, match="before wait"):
-        backend.send(events)
-    assert [r.ok for r in backend.wait()] == [True, True]
-    assert backend.wait() == []
-    assert len(locmem.outbox) == 2
