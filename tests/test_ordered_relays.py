@@ -30,7 +30,7 @@ from typing import Any
 
 import pika
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from django_outbox.models import OutboxEvent, Status
@@ -279,6 +279,19 @@ def leased_rows() -> dict[int, str]:
     )
 
 
+def nothing_locked() -> bool:
+    """No row is locked by an open transaction (a relay frozen inside its claim or settle).
+
+    A lease is what a frozen relay leaves for others to take over once it runs out; a row
+    lock held by a frozen process is not (SKIP LOCKED passes it by until that process runs
+    again or its session is ended), so the freeze must land between transactions.
+    """
+    with transaction.atomic():
+        pending = OutboxEvent.objects.pending()
+        free = pending.select_for_update(skip_locked=True).values_list("id", flat=True)
+        return len(list(free)) == pending.count()
+
+
 def test_kill_9_of_a_relay_mid_run_keeps_first_deliveries_in_order(broker, tmp_path):
     aggregates, events = 100, 20
     write_backlog(aggregates, events, fail_first=0.03)
@@ -307,8 +320,9 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
             wait_until(lambda: bool(leased_rows()), timeout=60, what="a claim", group=frozen)
             frozen.signal(0, signal.SIGSTOP)
             held = leased_rows()
-            if held:
+            if held and nothing_locked():
                 break
+            held = {}
             frozen.signal(0, signal.SIGCONT)
         assert held, "never caught the relay holding a lease"
         with relays(broker, tmp_path / "others", count=2, ordered=True, lease=lease) as others:
