@@ -13,9 +13,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 
@@ -29,19 +28,11 @@ from django_outbox.relay import Relay
 from orders.services import create_order
 from points.models import PointsLedger
 from tests.utils.subprocess import ROOT, django_env, manage_command
+from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.amqp, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 CELERY_BACKEND = "django_outbox.backends.celery.CeleryBackend"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 class Worker:
@@ -163,7 +154,7 @@ def test_relayed_events_run_once_each_and_a_redelivery_is_a_duplicate(queue, amq
     worker = Worker(queue, amqp_url)
     try:
         assert "sent=3" in relay_once(queue, amqp_url)
-        assert wait_for(lambda: PointsLedger.objects.count() == 3), worker.log()
+        assert wait_for(lambda: PointsLedger.objects.count() == 3, timeout=30), worker.log()
         assert set(PointsLedger.objects.values_list("source_event_id", flat=True)) == {
             e.event_id for e in events
         }
@@ -175,8 +166,8 @@ def test_relayed_events_run_once_each_and_a_redelivery_is_a_duplicate(queue, amq
             status=Status.PENDING, sent_at=None, next_retry_time=DbNow()
         )
         assert "sent=1" in relay_once(queue, amqp_url)
-        assert wait_for(lambda: worker.count(f"{again.event_id} is a duplicate") == 1)
-        assert wait_for(lambda: worker.count(rf"\[{again.event_id}\] succeeded") == 2)
+        assert wait_for(lambda: worker.count(f"{again.event_id} is a duplicate") == 1, timeout=30)
+        assert wait_for(lambda: worker.count(rf"\[{again.event_id}\] succeeded") == 2, timeout=30)
         for event in events:
             assert worker.count(rf"points\.award_points\[{event.event_id}\] succeeded") == (
                 2 if event == again else 1
@@ -213,7 +204,7 @@ def test_a_worker_killed_mid_task_gets_the_message_again(
         assert PointsLedger.objects.count() == 0
         assert queue_length(amqp_url, queue) == 1  # back in the queue, not acked
         worker = Worker(queue, amqp_url, CELERY_BLOCK_FILE=str(marker))
-        assert wait_for(lambda: PointsLedger.objects.count() == 1), worker.log()
+        assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=30), worker.log()
     finally:
         worker.stop()
     event = OutboxEvent.objects.get()

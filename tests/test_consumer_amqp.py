@@ -14,6 +14,7 @@ from django_outbox.consumer import Consumer, Outcome
 from points.models import PointsLedger
 from tests.consumer_utils import make_event, private_broker
 from tests.utils.subprocess import django_env, manage_command
+from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
 
@@ -38,15 +39,6 @@ def make_consumer(broker, handlers=(AWARD,), **options):
     )
     consumer.connect()  # declares the queue, its dead-letter queue and the bindings
     return consumer
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_same_message_twice_one_row_two_acks(broker):

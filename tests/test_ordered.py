@@ -202,17 +202,22 @@ def test_dead_head_blocks_until_requeued_from_the_admin(settings, client, django
     assert sequences()[1:] == [("a", a1.pk), ("a", a2.pk)]
 
 
-def test_skip_policy_lets_successors_go_and_says_so_in_the_alert(settings, caplog):
-    settings.OUTBOX_ORDERED = True
-    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+def kill_head(head: OutboxEvent, settings, caplog) -> None:
+    """With a one-step schedule, two unroutable attempts make ``head`` DEAD (and alert)."""
     settings.OUTBOX_RETRY_SCHEDULE = [1]
-    a1, a2 = rows(("O", "a"), ("O", "a"))
     locmem.fail_next.append(Reason.UNROUTABLE)
     make_relay().drain()
-    OutboxEvent.objects.filter(pk=a1.pk).update(next_retry_time=db_now())
+    OutboxEvent.objects.filter(pk=head.pk).update(next_retry_time=db_now())
     locmem.fail_next.append(Reason.UNROUTABLE)
     with caplog.at_level("ERROR", logger="django_outbox.alerts"):
         make_relay().drain()
+
+
+def test_skip_policy_lets_successors_go_and_says_so_in_the_alert(settings, caplog):
+    settings.OUTBOX_ORDERED = True
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+    a1, a2 = rows(("O", "a"), ("O", "a"))
+    kill_head(a1, settings, caplog)
     assert OutboxEvent.objects.get(pk=a1.pk).status == Status.DEAD
     assert sequences() == [("a", a2.pk)]
     assert a1.event_id in caplog.text
@@ -221,14 +226,8 @@ def test_skip_policy_lets_successors_go_and_says_so_in_the_alert(settings, caplo
 
 def test_block_policy_alert_says_the_aggregate_waits(settings, caplog):
     settings.OUTBOX_ORDERED = True
-    settings.OUTBOX_RETRY_SCHEDULE = [1]
     a1, _a2 = rows(("O", "a"), ("O", "a"))
-    locmem.fail_next.append(Reason.UNROUTABLE)
-    make_relay().drain()
-    OutboxEvent.objects.filter(pk=a1.pk).update(next_retry_time=db_now())
-    locmem.fail_next.append(Reason.UNROUTABLE)
-    with caplog.at_level("ERROR", logger="django_outbox.alerts"):
-        make_relay().drain()
+    kill_head(a1, settings, caplog)
     assert "blocks" in caplog.text and "requeue" in caplog.text
 
 
