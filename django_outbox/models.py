@@ -64,6 +64,8 @@ class OutboxEvent(models.Model):
         indexes = [
             # The relay's index: every scan is status = PENDING AND next_retry_time <= now.
             models.Index(fields=["status", "next_retry_time"], name="django_outbox_due_idx"),
+            # The claim also has a partial index of the unsent rows by id, PostgreSQL and
+            # SQLite only: migration 0005_claim_index says why it is not declared here.
             # Compensation (stale PENDING), purge (old SENT), the triage table and the
             # oldest-pending gauge all filter on status and created_at.
             models.Index(fields=["status", "created_at"], name="django_outbox_created_idx"),
