@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import models, transaction
+from django.db import connections, models, transaction
 
 from .db import DbNow
 
@@ -16,6 +16,24 @@ if TYPE_CHECKING:
 
 # Plain ints so this module does not import models (models imports this module).
 PENDING, SENT, DEAD = 0, 1, 2
+
+# What a claim loads: what a message is built from and a settle needs. The rest
+# (next_retry_time, last_error, sent_at, updated_at) is deferred: building the rows is a good
+# part of a relay's time, and each datetime column costs a parse per row.
+CLAIM_FIELDS = (
+    "id",
+    "event_id",
+    "event_type",
+    "aggregate_type",
+    "aggregate_id",
+    "payload",
+    "headers",
+    "occurred_at",
+    "created_at",
+    "retry_count",
+    "status",
+    "lease_token",
+)
 
 
 def _seconds(value: float | timedelta) -> timedelta:
@@ -63,7 +81,9 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         ``lease_token``; the transaction commits before this returns, so nothing is held
         open while the caller publishes. Another relay skips locked rows, and once committed
         the rows are no longer due until the lease runs out. Returns the token (settles are
-        fenced on it) and the claimed rows. Call it on ``due()`` or ``stale()``.
+        fenced on it) and the claimed rows, with the columns a message is built from
+        loaded (``CLAIM_FIELDS``; the others load when read). Call it on ``due()`` or
+        ``stale()``.
 
         Ordered mode (``ordered``/``dead_head`` default to ``OUTBOX_ORDERED`` and
         ``OUTBOX_ORDERED_DEAD_HEAD``): ordered rows are taken only while they are their
@@ -79,19 +99,40 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         ordered = ordering.current_ordered() if ordered is None else ordered
         with transaction.atomic(using=self.db):
             candidates = ordering.heads_only(self, ordered, dead_head)
-            rows = list(candidates.select_for_update(skip_locked=True).order_by("id")[:limit])
+            locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
+            if connections[self.db].vendor == "postgresql":
+                rows = self._lease_returning(locked, lease_seconds, token)
+            else:
+                rows = list(locked.only(*CLAIM_FIELDS))
+                if rows:
+                    self.model._default_manager.using(self.db).filter(
+                        pk__in=[row.pk for row in rows]
+                    ).update(next_retry_time=DbNow() + _seconds(lease_seconds), lease_token=token)
             if rows and ordered:
                 self._previous_sequences(rows, ordered)
-            if rows:
-                self.model._default_manager.using(self.db).filter(
-                    pk__in=[row.pk for row in rows]
-                ).update(
-                    next_retry_time=DbNow() + _seconds(lease_seconds),
-                    lease_token=token,
-                )
         for row in rows:
             row.lease_token = token
         return token, rows
+
+    def _lease_returning(
+        self, locked: OutboxEventQuerySet, lease_seconds: float, token: str
+    ) -> list[OutboxEvent]:
+        """PostgreSQL: lock, lease and read the rows in one statement (UPDATE ... RETURNING),
+        one round trip instead of two and no list of ids sent back."""
+        connection = connections[self.db]
+        table = connection.ops.quote_name(self.model._meta.db_table)
+        select, params = locked.values("id").query.get_compiler(using=self.db).as_sql()
+        quote = connection.ops.quote_name
+        columns = ", ".join(quote(name) for name in CLAIM_FIELDS)
+        # statement_timestamp(): the clock DbNow() reads on PostgreSQL, as every lease does.
+        sql = (
+            f"UPDATE {table} SET {quote('next_retry_time')} = statement_timestamp() + %s, "
+            f"{quote('lease_token')} = %s WHERE {quote('id')} IN ({select}) RETURNING {columns}"
+        )
+        lease = [_seconds(lease_seconds), token, *params]
+        rows = list(self.model._default_manager.using(self.db).raw(sql, lease))
+        rows.sort(key=lambda row: row.pk)
+        return rows
 
     def _previous_sequences(self, rows: list[OutboxEvent], ordered: bool | Sequence[str]) -> None:
         """Set ``previous_sequence`` on the claimed ordered heads (the relay sends it).

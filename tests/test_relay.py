@@ -90,16 +90,24 @@ def test_claim_leases_rows_so_a_second_claim_skips_them():
     assert OutboxEvent.objects.held_by(token).count() == 6
 
 
-def test_claim_is_two_statements_in_one_transaction():
+def test_claim_locks_and_leases_in_one_transaction():
+    """PostgreSQL: one UPDATE ... RETURNING; elsewhere a locking SELECT, then an UPDATE."""
     emit_many(5)
     with CaptureQueriesContext(connection) as queries:
-        OutboxEvent.objects.due().claim(5, lease_seconds=60)
+        token, rows = OutboxEvent.objects.due().claim(5, lease_seconds=60)
+    assert [r.pk for r in rows] == sorted(OutboxEvent.objects.values_list("pk", flat=True))
+    assert [r.payload for r in rows] == [{"i": i} for i in range(5)]
+    assert all(r.lease_token == token for r in rows)
     sql = [q["sql"].upper() for q in queries.captured_queries]
     selects = [s for s in sql if s.startswith("SELECT")]
     updates = [s for s in sql if s.startswith("UPDATE")]
-    assert len(selects) == 1 and len(updates) == 1
-    if connection.vendor != "sqlite":
-        assert "SKIP LOCKED" in selects[0]
+    if connection.vendor == "postgresql":
+        assert not selects and len(updates) == 1
+        assert "RETURNING" in updates[0] and "SKIP LOCKED" in updates[0]
+    else:
+        assert len(selects) == 1 and len(updates) == 1
+        if connection.vendor != "sqlite":
+            assert "SKIP LOCKED" in selects[0]
 
 
 def test_failed_publish_follows_the_schedule_then_dead(settings):
