@@ -22,11 +22,12 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 
@@ -43,6 +44,8 @@ from .retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 logger = logging.getLogger("django_outbox.relay")
 
 MAX_ERROR_LENGTH = 2000
+# Seconds of lease a batch claimed ahead must have beyond a full confirm wait when it is sent.
+LEASE_MARGIN = 5.0
 
 
 class BrokerOutage(Exception):
@@ -81,6 +84,38 @@ class PassResult:
         return f"found={self.found} sent={self.sent} failed={self.failed} dead={self.dead}"
 
 
+@dataclass
+class _Claim:
+    """Rows leased under one token, for one batch."""
+
+    token: str
+    rows: list[OutboxEvent]
+    limit: int
+    at: float  # time.monotonic() of the claim
+
+    @property
+    def full(self) -> bool:
+        """As many rows as asked for: more may be due behind them."""
+        return bool(self.rows) and len(self.rows) >= self.limit
+
+
+_NOTHING = _Claim("", [], 0, 0.0)
+
+
+@dataclass
+class _Published:
+    """A claim handed to the backend, and its results once collected."""
+
+    claim: _Claim
+    results: list[PublishResult] | None = None
+
+    @property
+    def connection_lost(self) -> bool:
+        return any(
+            r.reason is not None and r.reason.is_connection_level for r in self.results or ()
+        )
+
+
 def due_source(queryset: OutboxEventQuerySet) -> OutboxEventQuerySet:
     """What publish_outbox claims: every due row."""
     return queryset.due()
@@ -114,6 +149,7 @@ class Relay:
         job: str = "publish",
         using: str | None = None,
         heartbeat_file: str | None = None,
+        db_thread: bool | None = None,
     ) -> None:
         self.backend = backend if backend is not None else get_backend()
         self.batch_size = batch_size or outbox_settings.BATCH_SIZE
@@ -124,7 +160,9 @@ class Relay:
         self.using = using or router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
         heartbeat = outbox_settings.HEARTBEAT_FILE if heartbeat_file is None else heartbeat_file
         self.heartbeat_path = Path(heartbeat) if heartbeat else None
+        self.db_thread = db_thread  # None: OUTBOX_DB_THREAD
         self._opened = False
+        self._worker: ThreadDbWorker | None = None  # run()'s, for all its drains
 
     @classmethod
     def compensator(
@@ -156,30 +194,70 @@ class Relay:
 
     def run_batch(self, limit: int | None = None) -> PassResult:
         """Claim, publish and settle one batch. Raises BrokerOutage after releasing it."""
-        started = time.monotonic()
-        token, rows = self.claim(limit or self.batch_size)
-        if not rows:
+        claim = self._claim(limit or self.batch_size)
+        if not claim.rows:
             return PassResult()
+        return self._settle_published(self._collect(self._send(claim)))
+
+    # The steps of a batch. drain() interleaves them across batches; run_batch() does one.
+    def _claim(self, limit: int) -> _Claim:
+        token, rows = self.claim(limit)
+        return _Claim(token, rows, limit, time.monotonic())
+
+    def _send(self, claim: _Claim) -> _Published:
+        """Hand the batch to the backend (``send``); its confirms are collected later.
+
+        A broker that cannot be reached: the claim is released and BrokerOutage raised.
+        """
+        published = _Published(claim)
         try:
             self._ensure_open()
-            results = self.backend.publish(rows)
+            self.backend.send(claim.rows)
         except BrokerUnavailable as exc:
-            self.release(token, rows, f"broker unavailable: {exc}")
+            self.release(claim.token, claim.rows, f"broker unavailable: {exc}")
             raise BrokerOutage(str(exc)) from exc
         except Exception as exc:
-            # A bug or an unexpected library error: count it against the rows (they may be
-            # what triggers it) rather than loop on them forever.
-            logger.exception("[%s] backend raised while publishing %d events", self.job, len(rows))
-            reason = f"{type(exc).__name__}: {exc}"
-            results = [PublishResult.failed(Reason.ERROR, reason)] * len(rows)
-        if len(results) != len(rows):
+            published.results = self._backend_error(claim, exc)
+        return published
+
+    def _collect(self, published: _Published) -> _Published:
+        """Wait for the batch's confirms (``wait``): one result per row."""
+        claim = published.claim
+        if published.results is None:
+            try:
+                published.results = self.backend.wait()
+            except BrokerUnavailable as exc:
+                self.release(claim.token, claim.rows, f"broker unavailable: {exc}")
+                raise BrokerOutage(str(exc)) from exc
+            except Exception as exc:
+                published.results = self._backend_error(claim, exc)
+        if len(published.results) != len(claim.rows):
             raise RuntimeError(
-                f"{type(self.backend).__name__}.publish() returned {len(results)} results for "
-                f"{len(rows)} events; a backend must return one result per event."
+                f"{type(self.backend).__name__}.publish() returned {len(published.results)} "
+                f"results for {len(claim.rows)} events; a backend must return one result per "
+                "event."
             )
-        result = self.settle(token, rows, results)
+        return published
+
+    def _backend_error(self, claim: _Claim, exc: Exception) -> list[PublishResult]:
+        # A bug or an unexpected library error: count it against the rows (they may be what
+        # triggers it) rather than loop on them forever.
+        logger.error(
+            "[%s] backend raised while publishing %d events",
+            self.job,
+            len(claim.rows),
+            exc_info=exc,
+        )
+        return [PublishResult.failed(Reason.ERROR, f"{type(exc).__name__}: {exc}")] * len(
+            claim.rows
+        )
+
+    def _settle_published(self, published: _Published) -> PassResult:
+        claim = published.claim
+        assert published.results is not None
+        result = self.settle(claim.token, claim.rows, published.results)
         result.batches = 1
-        metrics.batch_duration(time.monotonic() - started, self.job)
+        metrics.batch_duration(time.monotonic() - claim.at, self.job)
         if result.released:
             raise BrokerOutage(f"connection lost with {result.released} events unconfirmed", result)
         return result
@@ -204,9 +282,12 @@ class Relay:
         held = self.queryset().held_by(token)
         with transaction.atomic(using=self.using):
             if sent:
-                n = held.filter(pk__in=[r.pk for r in sent]).update(
-                    status=Status.SENT, sent_at=DbNow(), lease_token=""
+                # The token names exactly this batch's rows: when all were confirmed (the
+                # usual case) no list of ids is needed.
+                confirmed = (
+                    held if len(sent) == len(rows) else held.filter(pk__in=[r.pk for r in sent])
                 )
+                n = confirmed.update(status=Status.SENT, sent_at=DbNow(), lease_token="")
                 result.sent = n
                 if n < len(sent):
                     logger.warning(
@@ -284,13 +365,12 @@ class Relay:
         )
         return len(failed), dead
 
-    def _release_rows(self, token: str, rows: Sequence[OutboxEvent], error: str) -> int:
-        return (
-            self.queryset()
-            .held_by(token)
-            .filter(pk__in=[r.pk for r in rows])
-            .update(next_retry_time=DbNow(), lease_token="", last_error=error[:MAX_ERROR_LENGTH])
-        )
+    def _release_rows(self, token: str, rows: Sequence[OutboxEvent], error: str | None) -> int:
+        """Due at once, no attempt counted; ``error`` replaces last_error unless None."""
+        changes: dict[str, Any] = {"next_retry_time": DbNow(), "lease_token": ""}
+        if error is not None:
+            changes["last_error"] = error[:MAX_ERROR_LENGTH]
+        return self.queryset().held_by(token).filter(pk__in=[r.pk for r in rows]).update(**changes)
 
     def release(self, token: str, rows: Sequence[OutboxEvent], error: str) -> int:
         """Give claimed rows back, due at once, without counting an attempt."""
@@ -298,6 +378,25 @@ class Relay:
             n = self._release_rows(token, rows, error)
         metrics.failed(Reason.CONNECTION_LOST.value, len(rows), self.job)
         return n
+
+    def give_back(self, claim: _Claim) -> None:
+        """Release a claim that was never published (claimed ahead, then not needed).
+
+        Best effort: if the database is gone too, the lease runs out by itself.
+        """
+        if not claim.rows:
+            return
+        try:
+            with transaction.atomic(using=self.using):
+                self._release_rows(claim.token, claim.rows, None)
+        except Exception:
+            logger.warning(
+                "[%s] could not give back %d claimed events; they are due again when their "
+                "lease runs out",
+                self.job,
+                len(claim.rows),
+                exc_info=True,
+            )
 
     # -- passes ----------------------------------------------------------------------------
     def drain(
@@ -308,32 +407,113 @@ class Relay:
     ) -> PassResult:
         """Run batches until nothing is due (or ``max_events``), then alert on dead rows.
 
+        Pipelined, so the relay, the database and the broker work at the same time: while
+        batch N is written to the broker and confirmed, batch N-1 (confirmed) is settled and
+        batch N+1 claimed, each in its own short transaction, by a second thread with its
+        own database connection (``OUTBOX_DB_THREAD``; on this thread, in turn, on SQLite
+        or inside a transaction). A batch with a lost connection among its results is
+        settled at once, and the outage raised. A claim made ahead and not published (a
+        stop, an outage, an error) is given back: due again, no attempt counted.
+
         Raises BrokerOutage when the broker went away (after alerting on what died).
         """
         total = PassResult()
         ordered = ordering.is_enabled()
-        try:
-            while not should_stop():
-                limit = self.batch_size
-                if max_events is not None:
-                    limit = min(limit, max_events - total.found)
-                    if limit <= 0:
+        claimed = 0  # rows claimed so far, for max_events
+
+        def claim() -> _Claim:
+            nonlocal claimed
+            limit = (
+                self.batch_size
+                if max_events is None
+                else min(self.batch_size, max_events - claimed)
+            )
+            if limit <= 0 or should_stop():
+                return _NOTHING
+            batch = self._claim(limit)
+            claimed += len(batch.rows)
+            return batch
+
+        def settled(future: Future[PassResult]) -> PassResult:
+            try:
+                result = future.result()
+            except BrokerOutage as exc:
+                total.add(exc.result)
+                raise
+            total.add(result)
+            self.beat()
+            return result
+
+        with self._db_worker() as db:
+            ahead = db.submit(claim)  # the next batch, claimed while this one is published
+            settling: Future[PassResult] | None = None  # the last batch, confirmed
+            try:
+                while True:
+                    batch = ahead.result()
+                    ahead = _done(_NOTHING)
+                    if batch.rows and should_stop():
+                        ahead = _done(batch)  # given back below
                         break
+                    if batch.rows:
+                        batch = self._fresh(batch)
+                    if not batch.rows:
+                        if settling is None:
+                            break
+                        last, settling = settling, None
+                        result = settled(last)
+                        # In ordered mode a batch holds one event per aggregate: what it
+                        # settled lets the next events of those aggregates become heads.
+                        if ordered and (result.sent or result.dead) and not should_stop():
+                            ahead = db.submit(claim)
+                            continue
+                        break
+                    if batch.full:
+                        ahead = db.submit(claim)
+                    published = self._collect(self._send(batch))
+                    if settling is not None:
+                        last, settling = settling, None
+                        settled(last)
+                    settling = db.submit(self._settle_published, published)
+                    if published.connection_lost:
+                        last, settling = settling, None
+                        settled(last)  # raises BrokerOutage
+                if settling is not None:  # stopped with the last batch still settling
+                    last, settling = settling, None
+                    settled(last)
+            finally:
+                if settling is not None:
+                    # The loop stopped on an error (an outage while sending the next batch)
+                    # with a confirmed batch still being settled: record what the broker has.
+                    try:
+                        settled(settling)
+                    except Exception:
+                        logger.warning(
+                            "[%s] could not settle a confirmed batch; its events are "
+                            "published again when their lease runs out",
+                            self.job,
+                            exc_info=True,
+                        )
                 try:
-                    result = self.run_batch(limit)
-                except BrokerOutage as exc:
-                    total.add(exc.result)
-                    raise
-                total.add(result)
-                self.beat()
-                # In ordered mode a batch holds one event per aggregate: what it settled
-                # lets the next events of those aggregates become heads, so go on.
-                if result.found < limit and not (ordered and (result.sent or result.dead)):
-                    break
-        finally:
-            if total.dead_events:
-                notify_dead(total.dead_events)
+                    leftover = ahead.result()
+                except Exception:
+                    leftover = _NOTHING  # the claim failed: nothing to give back
+                self.give_back(leftover)
+                if total.dead_events:
+                    notify_dead(total.dead_events)
         return total
+
+    def _fresh(self, claim: _Claim) -> _Claim:
+        """``claim`` if its lease still covers a full confirm wait, else a new claim.
+
+        A batch claimed ahead waits for the previous batch's confirms before it is sent;
+        sent with too little lease left, another relay could take it over while its own
+        confirms are still coming back.
+        """
+        timeout = float(getattr(self.backend, "confirm_timeout", 0.0))
+        if time.monotonic() - claim.at < self.lease_seconds - timeout - LEASE_MARGIN:
+            return claim
+        self.give_back(claim)
+        return self._claim(claim.limit)
 
     def run(
         self,
@@ -348,6 +528,9 @@ class Relay:
         waker = waker or make_waker(self.using, stop)
         backoff = Backoff(maximum=outbox_settings.BROKER_BACKOFF_MAX)
         total = PassResult()
+        if self._worker is None and self._can_use_a_thread():
+            # One worker (and database connection) for every drain of this run, not one each.
+            self._worker = ThreadDbWorker(f"outbox-{self.job}-db")
         logger.info(
             "[%s] relay started: backend=%s batch_size=%d interval=%ss wake=%s",
             self.job,
@@ -358,7 +541,7 @@ class Relay:
         )
         try:
             while not stop.is_set():
-                tidy_connections()
+                self._tidy()
                 self.beat()
                 remaining = None if max_events is None else max_events - total.found
                 if remaining is not None and remaining <= 0:
@@ -378,22 +561,54 @@ class Relay:
                     # the liveness probe catches a relay that stops making progress.
                     pause = backoff.next()
                     logger.exception("[%s] relay pass failed; retrying in %.1fs", self.job, pause)
-                    tidy_connections()
+                    self._tidy()
                     stop.wait(pause)
                     continue
                 backoff.reset()
                 total.add(result)
                 if result.found:
                     logger.info("[%s] %s", self.job, result.summary())
-                tidy_connections()
+                self._tidy()
                 waker.wait(interval)
         finally:
             waker.close()
             self._close_backend()
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
             tidy_connections()
         return total
 
     # -- plumbing --------------------------------------------------------------------------
+    @contextmanager
+    def _db_worker(self) -> Iterator[DbWorker]:
+        """Where drain() does its database work: the relay's worker thread when run() has
+        started one, else one for this drain, else (SQLite, inside a transaction,
+        OUTBOX_DB_THREAD off) this thread."""
+        if self._worker is not None:
+            yield self._worker
+            return
+        if not self._can_use_a_thread():
+            yield INLINE
+            return
+        worker = ThreadDbWorker(f"outbox-{self.job}-db")
+        try:
+            yield worker
+        finally:
+            worker.close()
+
+    def _can_use_a_thread(self) -> bool:
+        if not (self.db_thread if self.db_thread is not None else outbox_settings.DB_THREAD):
+            return False
+        connection = connections[self.using]
+        # Another connection cannot see the caller's uncommitted rows; SQLite has one writer.
+        return connection.vendor != "sqlite" and not connection.in_atomic_block
+
+    def _tidy(self) -> None:
+        tidy_connections()
+        if self._worker is not None:
+            self._worker.submit(tidy_connections).result()
+
     def _ensure_open(self) -> None:
         if not self._opened:
             self.backend.open()
@@ -419,6 +634,53 @@ class Relay:
         except FileNotFoundError:
             self.heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
             self.heartbeat_path.touch()
+
+
+# -- where the database work of a drain runs ----------------------------------------------
+R = TypeVar("R")
+
+
+def _done(value: R) -> Future[R]:
+    future: Future[R] = Future()
+    future.set_result(value)
+    return future
+
+
+class DbWorker:
+    """Runs the relay's database work now, on the calling thread (returns a done future)."""
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        future: Future[R] = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+INLINE = DbWorker()
+
+
+class ThreadDbWorker(DbWorker):
+    """Runs the relay's database work on one thread of its own, in submission order.
+
+    The thread has its own database connection (Django's are per thread): it is closed
+    with the worker.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        with suppress(Exception):
+            self._pool.submit(connections.close_all).result()
+        self._pool.shutdown(wait=True)
 
 
 class Backoff:

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from django_outbox import outbox
 from django_outbox.backends import locmem
-from django_outbox.backends.base import PublishResult, Reason
+from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import BrokerOutage, Relay
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
@@ -310,3 +310,144 @@ def test_compensate_outbox_command_sends_stale_rows_and_exits_1_on_a_failure():
     failed = OutboxEvent.objects.get(id=stale[0])
     assert (failed.status, failed.retry_count) == (Status.PENDING, 1)
     assert list(OutboxEvent.objects.sent().values_list("id", flat=True)) == [stale[1]]
+
+
+# -- the pipelined drain -----------------------------------------------------------------------
+class Observing(locmem.LocmemBackend):
+    """Records, each time the relay waits for confirms, what the database holds."""
+
+    def __init__(self, on_wait=None, **options):
+        super().__init__(**options)
+        self.on_wait = on_wait or (lambda: None)
+        self.seen: list[tuple[int, bool]] = []
+
+    def wait(self):
+        leased = OutboxEvent.objects.pending().exclude(lease_token="").count()
+        self.seen.append((leased, connection.in_atomic_block))
+        self.on_wait()
+        return super().wait()
+
+
+def test_drain_claims_the_next_batch_before_waiting_for_confirms():
+    emit_many(250)
+    backend = Observing()
+    # On one thread, so what the database holds at each wait is exact.
+    result = make_relay(backend=backend, batch_size=100, db_thread=False).drain()
+    assert (result.sent, result.batches) == (250, 3)
+    # While batch 1 is being confirmed, batch 2 is already claimed (200 leased); the
+    # claim's transaction has committed: none is open while waiting for the broker.
+    assert backend.seen == [(200, False), (150, False), (50, False)]
+    assert [m.headers["sequence"] for m in locmem.outbox] == sorted(
+        OutboxEvent.objects.values_list("id", flat=True)
+    )
+
+
+@pytest.mark.parametrize("db_thread", [False, True], ids=["one thread", "db thread"])
+def test_a_claim_made_ahead_is_given_back_when_the_relay_stops(db_thread):
+    emit_many(250)
+    stop = threading.Event()
+    relay = make_relay(backend=Observing(on_wait=stop.set), batch_size=100, db_thread=db_thread)
+    result = relay.drain(should_stop=stop.is_set)
+    assert (result.sent, result.batches) == (100, 1)
+    waiting = OutboxEvent.objects.pending()
+    assert waiting.count() == 150
+    assert not waiting.exclude(lease_token="").exists()
+    assert OutboxEvent.objects.due().count() == 150  # due again at once
+    assert all(e.retry_count == 0 and e.last_error == "" for e in waiting)
+
+
+@pytest.mark.parametrize("db_thread", [False, True], ids=["one thread", "db thread"])
+def test_a_claim_made_ahead_is_given_back_when_the_broker_goes_away(db_thread):
+    emit_many(250)
+
+    class Outage(locmem.LocmemBackend):
+        calls = 0
+
+        def publish(self, events):
+            self.calls += 1
+            if self.calls == 2:  # batch 3 is claimed by now, batch 1 confirmed
+                raise BrokerUnavailable("gone")
+            return super().publish(events)
+
+    relay = make_relay(backend=Outage(), batch_size=100, db_thread=db_thread)
+    with pytest.raises(BrokerOutage):
+        relay.drain()
+    # Batch 1 was confirmed before the outage: it is SENT, not published again later.
+    assert OutboxEvent.objects.sent().count() == 100
+    waiting = OutboxEvent.objects.pending()
+    assert waiting.count() == 150
+    assert not waiting.exclude(lease_token="").exists()
+    assert all(e.retry_count == 0 for e in waiting)
+    assert relay.drain().sent == 150
+    assert len({m.message_id for m in locmem.outbox}) == len(locmem.outbox) == 250
+
+
+def test_the_database_work_runs_on_a_second_thread_where_it_can():
+    emit_many(1000)
+    threads: set[str] = set()
+    relay = make_relay(batch_size=100, db_thread=True)
+    settle = relay.settle
+
+    def recording(*args):
+        threads.add(threading.current_thread().name)
+        return settle(*args)
+
+    relay.settle = recording
+    result = relay.drain()
+    assert (result.sent, result.batches) == (1000, 10)
+    assert OutboxEvent.objects.sent().count() == 1000
+    # Published once each, oldest first.
+    assert [m.headers["sequence"] for m in locmem.outbox] == sorted(
+        OutboxEvent.objects.values_list("id", flat=True)
+    )
+    if connection.vendor == "sqlite":
+        assert threads == {threading.current_thread().name}  # SQLite: one writer, one thread
+    else:
+        (name,) = threads
+        assert name.startswith("outbox-publish-db")
+    assert not [t for t in threading.enumerate() if t.name.startswith("outbox-")]
+
+
+@pytest.mark.django_db(transaction=False)
+def test_inside_a_transaction_the_relay_stays_on_its_thread():
+    """Another connection could not see the caller's uncommitted rows."""
+    emit_many(3)
+    assert connection.in_atomic_block
+    assert make_relay(db_thread=True).drain().sent == 3
+
+
+def test_a_batch_claimed_ahead_too_long_ago_is_claimed_again():
+    """Sent with less lease left than a confirm wait, another relay could take it over
+    while its confirms are still coming: it is given back and claimed afresh."""
+    emit_many(250)
+
+    class SlowConfirms(locmem.LocmemBackend):
+        confirm_timeout = 5.0  # with a 10 s lease: no claim made ahead is fresh enough
+
+    relay = make_relay(backend=SlowConfirms(), batch_size=100, lease_seconds=10, db_thread=False)
+    claims = []
+    claim = relay.claim
+
+    def counting(limit):
+        token, rows = claim(limit)
+        claims.append(len(rows))
+        return token, rows
+
+    relay.claim = counting
+    result = relay.drain()
+    assert (result.sent, result.batches) == (250, 3)
+    # Each claim is made again right before it is sent (the lease leaves no time at all).
+    assert claims == [100, 100, 100, 100, 50, 50]
+    assert len({m.message_id for m in locmem.outbox}) == len(locmem.outbox) == 250
+    assert not OutboxEvent.objects.exclude(lease_token="").exists()
+
+
+def test_default_backend_send_then_wait_is_publish():
+    events = emit_many(2)
+    backend = locmem.LocmemBackend()
+    backend.send(events)
+    with pytest.raises(RuntimeError, match="before wait"):
+        backend.send(events)
+    assert [r.ok for r in backend.wait()] == [True, True]
+    assert backend.wait() == []
+    assert len(locmem.outbox) == 2

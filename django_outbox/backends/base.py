@@ -66,9 +66,12 @@ class BrokerUnavailable(OutboxError):
 class BaseBackend:
     """Base class of broker backends.
 
-    Subclasses implement :meth:`publish`; :meth:`open` and :meth:`close` manage the
+    Subclasses implement :meth:`publish` (and may split it into :meth:`send` and
+    :meth:`wait`); :meth:`open` and :meth:`close` manage the
     connection and must be safe to call more than once. A backend is used by one thread.
     """
+
+    _sent: list[OutboxEvent] | None = None  # the batch given to send(), for the default wait()
 
     def __init__(
         self,
@@ -119,6 +122,24 @@ class BaseBackend:
         messages are in flight, report the unconfirmed ones as CONNECTION_LOST instead.
         """
         raise NotImplementedError
+
+    def send(self, events: Sequence[OutboxEvent]) -> None:
+        """Start publishing a batch; :meth:`wait` returns its results.
+
+        Between the two calls the relay settles the previous batch and claims the next, so
+        its database work overlaps the broker's. One batch at a time: ``send`` again only
+        after ``wait``. The default defers everything to :meth:`publish` in ``wait``; a
+        backend with asynchronous confirms overrides both. Either may raise what
+        :meth:`publish` raises.
+        """
+        if self._sent is not None:
+            raise RuntimeError("send() called again before wait() returned the last batch")
+        self._sent = list(events)
+
+    def wait(self) -> list[PublishResult]:
+        """The results of the batch given to :meth:`send` (as :meth:`publish` returns)."""
+        events, self._sent = self._sent or [], None
+        return self.publish(events)
 
     def routing_key(self, event: OutboxEvent) -> str:
         if self._routing_key_func is not None:

@@ -100,6 +100,7 @@ class PikaBackend(AmqpBackend):
         self._index_by_id: dict[str, int] | None = None
         self._events: Sequence[OutboxEvent] = ()
         self._lost = ""  # why the connection/channel went away during the batch
+        self._sent_at = 0.0  # monotonic time of send(): the confirm timeout counts from it
 
     def __repr__(self) -> str:
         return f"<PikaBackend {self.masked_url} exchange={self.exchange!r}>"
@@ -360,6 +361,17 @@ class PikaBackend(AmqpBackend):
     def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
         if not events:
             return []
+        self.send(events)
+        return self.wait()
+
+    def send(self, events: Sequence[OutboxEvent]) -> None:
+        """Write the whole batch to the socket; :meth:`wait` collects the confirms."""
+        if self._results is not None:
+            raise RuntimeError("send() called again before wait() returned the last batch")
+        self._sent_at = time.monotonic()
+        if not events:
+            self._results, self._positions, self._unsettled, self._lost = [], [], 0, ""
+            return
         self._poll()
         self.open()
         if self._blocked:
@@ -382,7 +394,28 @@ class PikaBackend(AmqpBackend):
         self._unsettled = 0
         try:
             self._send(events, results, positions)
-            self._run(self._batch_done, self.confirm_timeout)
+        except BaseException:
+            self._forget_batch()
+            raise
+
+    def wait(self) -> list[PublishResult]:
+        """Run the I/O loop until every message of the batch is settled or timed out.
+
+        The confirm timeout counts from :meth:`send`; what arrived meanwhile is read first,
+        so a relay slowed down between the two calls does not time out confirms it has.
+        """
+        results = self._results
+        if results is None:
+            return []
+        positions = self._positions
+        try:
+            while not self._batch_done():
+                unsettled = self._unsettled
+                self._poll()
+                if self._unsettled == unsettled:
+                    break
+            timeout = self.confirm_timeout - (time.monotonic() - self._sent_at)
+            self._run(self._batch_done, max(timeout, 0.0))
             if self._unsettled:
                 if self._lost:
                     failure = PublishResult.failed(Reason.CONNECTION_LOST, self._lost)
@@ -402,11 +435,14 @@ class PikaBackend(AmqpBackend):
                     if results[index] is None:
                         results[index] = failure
         finally:
-            self._results = None
-            self._events = ()
-            self._positions = []
-            self._index_by_id = None
+            self._forget_batch()
         return results  # type: ignore[return-value]  # every slot is filled above
+
+    def _forget_batch(self) -> None:
+        self._results = None
+        self._events = ()
+        self._positions = []
+        self._index_by_id = None
 
     def _send(
         self,

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -90,12 +91,26 @@ def test_relay_dead_for_good_compensator_alone_delivers_every_stale_row(broker, 
     )
 
 
+@dataclass
+class Held:
+    """What a relay waiting for confirms holds: the batch it published, and the next one,
+    claimed ahead while the first is confirmed (not published)."""
+
+    published: set[str]
+    ahead: set[str]
+
+    @property
+    def all(self) -> set[str]:
+        return self.published | self.ahead
+
+
 def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings):
-    """A relay holding one claimed batch whose confirms the proxy holds back.
+    """A relay holding one published batch whose confirms the proxy holds back.
 
     The relay first delivers one event (so it is connected), then the proxy stops passing
     the broker's answers and 300 events are committed: the relay claims a batch, writes it
-    to the broker (the messages do reach the queue) and waits for confirms.
+    to the broker (the messages do reach the queue), claims the next batch ahead and waits
+    for confirms.
     """
     tcp, url = proxy
     emit(1)
@@ -105,11 +120,14 @@ def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings
     wait_for(lambda: counts()["sent"] == 1, timeout=60, what="relay connected", processes=procs)
     tcp.pause()
     emit(300)
-    wait_for(lambda: counts()["leased"] > 0, timeout=30, what="a claimed batch", processes=procs)
+    wait_for(lambda: counts()["leased"] == 200, timeout=30, what="two claims", processes=procs)
     time.sleep(0.3)  # the claimed batch is written to the socket right after the claim
-    return relay, set(
-        OutboxEvent.objects.pending().exclude(lease_token="").values_list("event_id", flat=True)
-    )
+    claims: dict[str, set[str]] = {}
+    leased = OutboxEvent.objects.pending().exclude(lease_token="").order_by("id")
+    for token, event_id in leased.values_list("lease_token", "event_id"):
+        claims.setdefault(token, set()).add(event_id)
+    first, ahead = claims.values()  # in id order: the first claim is the one published
+    return relay, Held(published=first, ahead=ahead)
 
 
 def leases(event_ids: set[str]) -> list[str]:
@@ -121,8 +139,8 @@ def leases(event_ids: set[str]) -> list[str]:
 
 @pytest.mark.parametrize("freeze", ["confirms in hand", "confirm wait expired"])
 def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, procs, record, freeze):
-    """Relay A is frozen (SIGSTOP) with a batch in flight. Once its lease has run out relay
-    B claims those rows and is itself waiting for their confirms when A is resumed
+    """Relay A is frozen (SIGSTOP) with a batch in flight and the next claimed ahead. Once
+    its lease has run out relay B claims those rows and is itself waiting for their confirms when A is resumed
     (SIGCONT) and settles its stale batch: that must change no row, B's claim included.
 
     "confirms in hand": A's confirm timeout is longer than the freeze (hence --skip-checks:
@@ -137,10 +155,12 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
     options: dict[str, Any] = {"LEASE_SECONDS": 6.0}
     if freeze == "confirms in hand":
         options.update(relay_args=("--skip-checks",), CONFIRM_TIMEOUT=60.0)
-    frozen, batch = _leased_by_a_waiting_relay(proxy, procs, **options)
+    frozen, held = _leased_by_a_waiting_relay(proxy, procs, **options)
     frozen.signal(signal.SIGSTOP)
     tcp_a.resume()  # A's confirms now wait in its socket
-    (token_a,) = set(leases(batch))
+    batch = held.all
+    tokens_a = set(leases(batch))
+    assert len(tokens_a) == 2
     tcp_b, url_b = TcpProxy.for_url(broker.url)
     try:
         taker = procs.relay(
@@ -153,11 +173,11 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
         )
         # B delivers what A had not claimed, then is held waiting for confirms of A's rows.
         wait_for(
-            lambda: counts()["sent"] == 201, timeout=60, what="B's first pass", processes=procs
+            lambda: counts()["sent"] == 101, timeout=60, what="B's first pass", processes=procs
         )
         tcp_b.pause()
         wait_for(
-            lambda: "" not in (held := set(leases(batch))) and token_a not in held,
+            lambda: "" not in (now := set(leases(batch))) and not now & tokens_a,
             timeout=30,
             what="B to take A's rows over",
             processes=procs,
@@ -184,8 +204,9 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
     verdict = check_invariants(
         f"SIGSTOP past the lease, takeover, SIGCONT ({freeze})", broker, record, crashed=True
     )
-    # Only A's batch went out twice (it had reached the broker before the freeze).
-    assert verdict.duplicates <= len(batch)
+    # Only A's published batch went out twice (it had reached the broker before the
+    # freeze); the batch A claimed ahead was given back unpublished when it resumed.
+    assert verdict.duplicates <= len(held.published)
 
 
 def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxy, procs, record):
@@ -193,16 +214,15 @@ def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxy, pr
     broker.bind_all()
     tcp, _ = proxy
     # A roomy confirm timeout: the confirms must come in time even on a loaded machine.
-    relay, batch = _leased_by_a_waiting_relay(
-        proxy, procs, LEASE_SECONDS=20.0, CONFIRM_TIMEOUT=10.0
-    )
+    relay, held = _leased_by_a_waiting_relay(proxy, procs, LEASE_SECONDS=20.0, CONFIRM_TIMEOUT=10.0)
     relay.signal(signal.SIGTERM)
     time.sleep(0.5)
     assert relay.alive(), "the relay exited without waiting for its confirms"
     tcp.resume()
     assert relay.wait(30) == 0, relay.tail()
     sent = set(OutboxEvent.objects.sent().values_list("event_id", flat=True))
-    assert batch <= sent, "a confirmed row of the batch in flight is not SENT"
+    assert held.published <= sent, "a confirmed row of the batch in flight is not SENT"
+    assert not held.ahead & sent, "the batch claimed ahead was published after SIGTERM"
     # No row stuck under a dead claim: what was not sent is due now, with no attempt lost.
     stuck = OutboxEvent.objects.pending().exclude(lease_token="")
     assert not stuck.exists()
@@ -220,13 +240,13 @@ def test_second_sigterm_exits_1_and_the_batch_comes_back(broker, proxy, procs, r
     until its lease runs out, then another relay delivers it."""
     broker.bind_all()
     tcp, _ = proxy
-    relay, batch = _leased_by_a_waiting_relay(proxy, procs)
+    relay, held = _leased_by_a_waiting_relay(proxy, procs)
     relay.signal(signal.SIGTERM)
     time.sleep(0.3)
     relay.signal(signal.SIGTERM)
     assert relay.wait(30) == 1, relay.tail()
     tcp.resume()
-    assert not OutboxEvent.objects.filter(event_id__in=batch).exclude(status=Status.PENDING)
+    assert not OutboxEvent.objects.filter(event_id__in=held.all).exclude(status=Status.PENDING)
     rest = procs.relay(name="rest")
     wait_for(lambda: counts()["sent"] == 301, timeout=30, what="the rest", processes=procs)
     assert rest.stop() == 0, rest.tail()
