@@ -13,7 +13,10 @@ own exchange and queue (deleted afterwards):
    ``outbox.atomic()``/``emit()``, one event per transaction, from ``--producers``
    threads; per event the time from its
    commit to its ``sent_at`` (written in the settle, after the broker's confirm): p50/p99;
-4. the relay child's peak RSS (``VmHWM``), and its RSS when idle before the first drain.
+4. the relay child's peak RSS (``VmHWM``), and its RSS when idle before the first drain;
+5. where the CPU went in (1) and (2), per event: the publisher or relay, RabbitMQ and the
+   database server (whole processes, found by name on this machine). With all of them on
+   a few cores, their sum bounds what the relay can reach, whatever the relay does.
 
     python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3]
         [--database postgres|mariadb] [--rate 500] [--seconds 10] [--producers 4] [--batch-size N]
@@ -46,6 +49,7 @@ from bench.common import (
     SAMPLE_EVENT_TYPE,
     SAMPLE_OCCURRED_AT,
     SAMPLE_PAYLOAD,
+    CpuMeter,
     count_from,
     parser,
     proc_status_kib,
@@ -288,19 +292,35 @@ def warm_up(relay: RelayChild) -> None:
     wait_until_sent(relay, 60)
 
 
-def measure_drain(relay: RelayChild, count: int) -> float:
+def measure_drain(relay: RelayChild, count: int, meter: CpuMeter) -> float:
     """Events/s of the relay over a backlog of ``count`` events committed while it was
     paused (``SIGSTOP``, as if it had been down): from ``SIGCONT`` to the last ``sent_at``.
+    ``meter`` counts the CPU used meanwhile.
     """
     relay.process.send_signal(signal.SIGSTOP)
     try:
         load_backlog(count)
         analyze()
     finally:
+        meter.start()
         resumed = time.time()
         relay.process.send_signal(signal.SIGCONT)
     wait_until_sent(relay, 120 + count / 50)
+    meter.stop()
     return count / (last_sent_at() - resumed)
+
+
+BROKER_PROCESS = ["-x", "beam.smp"]  # a local RabbitMQ
+DATABASE_PROCESS = {"postgres": ["-x", "postgres"], "mariadb": ["-x", "mariadbd"]}
+
+
+def cpu_line(baseline: CpuMeter, drain: CpuMeter, count: int) -> str:
+    """Where the CPU went, per event, in both measurements: on a machine with few cores the
+    relay's ceiling is the sum of these over the cores, not the publisher alone."""
+    return (
+        f"  CPU per event (server-wide, {os.cpu_count()} cores): baseline "
+        f"{baseline.per_event(count) or 'n/a'}; drain {drain.per_event(count) or 'n/a'}"
+    )
 
 
 @dataclass
@@ -434,8 +454,18 @@ def main() -> None:
             ratios, drains, baselines, latencies = [], [], [], []
             for run in range(1, args.repeat + 1):
                 clear_outbox(args.url, exchange)
+                baseline_cpu = CpuMeter({"publisher": [os.getpid()], "broker": BROKER_PROCESS})
+                baseline_cpu.start()
                 baseline = raw_pika_rate(count, url=args.url)
-                drain = measure_drain(relay, count)
+                baseline_cpu.stop()
+                drain_cpu = CpuMeter(
+                    {
+                        "relay": [relay.pid],
+                        "broker": BROKER_PROCESS,
+                        "database": DATABASE_PROCESS[args.database],
+                    }
+                )
+                drain = measure_drain(relay, count, drain_cpu)
                 clear_outbox(args.url, exchange)
                 latency = measure_latency(relay, args.rate, seconds, args.producers)
                 baselines.append(baseline)
@@ -451,6 +481,7 @@ def main() -> None:
                     count=count,
                     peak_rss=relay.peak_rss_mib(),
                 )
+                print(cpu_line(baseline_cpu, drain_cpu, count))
                 print(latency.line(), flush=True)
             peak = relay.peak_rss_mib()
         finally:

@@ -388,7 +388,15 @@ class Relay:
             return
         try:
             with transaction.atomic(using=self.using):
-                self._release_rows(claim.token, claim.rows, None)
+                given = self._release_rows(claim.token, claim.rows, None)
+            if given < len(claim.rows):
+                logger.warning(
+                    "[%s] %d of %d events claimed ahead had been taken over by another relay "
+                    "(this relay outlived its lease); not published by this one",
+                    self.job,
+                    len(claim.rows) - given,
+                    len(claim.rows),
+                )
         except Exception:
             logger.warning(
                 "[%s] could not give back %d claimed events; they are due again when their "

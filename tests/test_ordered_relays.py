@@ -310,13 +310,16 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
     """SIGSTOP a relay holding heads; others take them over; SIGCONT: its publish is stale.
 
     The frozen relay runs alone at first, so every leased row is its own when it stops.
+    Its database thread is in a transaction much of the time while it drains: the backlog
+    is large enough for many tries, a few milliseconds apart, to land between two.
     """
-    aggregates, events, lease = 60, 15, 4.0
+    aggregates, events, lease = 100, 20, 4.0
     write_backlog(aggregates, events, fail_first=0.0)
     total = aggregates * events
+    rng = random.Random(5)
     with relays(broker, tmp_path, count=1, ordered=True, lease=lease) as frozen:
         held: dict[int, str] = {}
-        for _attempt in range(100):
+        for _attempt in range(400):
             wait_until(lambda: bool(leased_rows()), timeout=60, what="a claim", group=frozen)
             frozen.signal(0, signal.SIGSTOP)
             held = leased_rows()
@@ -324,6 +327,7 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
                 break
             held = {}
             frozen.signal(0, signal.SIGCONT)
+            time.sleep(rng.uniform(0, 0.02))
         assert held, "never caught the relay holding a lease"
         with relays(broker, tmp_path / "others", count=2, ordered=True, lease=lease) as others:
             wait_until(
@@ -336,9 +340,10 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
             )
             wait_until(lambda: sent_count() == total, timeout=120, what="all SENT", group=others)
             frozen.signal(0, signal.SIGCONT)
-            # Its settle is fenced: the rows it held were settled by the others meanwhile
-            # ("taken over", whether its confirms came, timed out or its connection was
-            # closed by the broker's heartbeat while it was frozen).
+            # Its settle and its give-back are fenced: the rows it held were settled by the
+            # others meanwhile ("taken over", whether its confirms came, timed out or its
+            # connection was closed by the broker's heartbeat while it was frozen, and for
+            # a batch it had claimed ahead and not published).
             wait_until(
                 lambda: "taken over by another relay" in frozen.output(),
                 timeout=60,
@@ -351,9 +356,9 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
     copies: dict[str, list[int]] = defaultdict(list)
     for index, d in enumerate(deliveries):
         copies[d.event_id].append(index)
-    # Every held row reached the queue twice: once from the relay that took it over (or
-    # from the frozen one before it stopped), once late; the order check above only
-    # counts the first.
-    assert all(len(copies[e]) >= 2 for e in held_events)
-    # Had it published before it froze, the others' copy is the late one; either way the
-    # first delivery of each held event kept its place (checked above).
+    # The frozen relay held a published batch (its rows reach the queue twice: from it
+    # before it stopped or late, and from the relay that took them over) and/or a batch
+    # claimed ahead, given back unpublished when it resumed (once, from the others). The
+    # order check above counts first deliveries only.
+    assert all(copies[e] for e in held_events)
+    assert sum(len(copies[e]) for e in held_events) <= 2 * len(held_events)

@@ -451,3 +451,14 @@ def test_default_backend_send_then_wait_is_publish():
     assert [r.ok for r in backend.wait()] == [True, True]
     assert backend.wait() == []
     assert len(locmem.outbox) == 2
+
+
+def test_giving_back_a_claim_another_relay_took_over_changes_nothing_and_says_so(caplog):
+    emit_many(3)
+    relay = make_relay()
+    claim = relay._claim(3)
+    OutboxEvent.objects.update(lease_token="another-relay")  # its lease ran out meanwhile
+    with caplog.at_level(logging.WARNING, logger="django_outbox.relay"):
+        relay.give_back(claim)
+    assert set(OutboxEvent.objects.values_list("lease_token", flat=True)) == {"another-relay"}
+    assert "3 of 3 events claimed ahead had been taken over by another relay" in caplog.text

@@ -140,8 +140,9 @@ def leases(event_ids: set[str]) -> list[str]:
 @pytest.mark.parametrize("freeze", ["confirms in hand", "confirm wait expired"])
 def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, procs, record, freeze):
     """Relay A is frozen (SIGSTOP) with a batch in flight and the next claimed ahead. Once
-    its lease has run out relay B claims those rows and is itself waiting for their confirms when A is resumed
-    (SIGCONT) and settles its stale batch: that must change no row, B's claim included.
+    its lease has run out relay B claims those rows and is itself waiting for their
+    confirms when A is resumed (SIGCONT) and settles its stale batch: that must change no
+    row, B's claim included.
 
     "confirms in hand": A's confirm timeout is longer than the freeze (hence --skip-checks:
     the system check rightly wants the lease longer than the confirm timeout), so A finds
