@@ -160,7 +160,7 @@ class CpuMeter:
         self.groups = groups
         self.used: dict[str, float] = {}
         self._pids: dict[str, list[int | str]] = {}
-        self._start: dict[str, float] = {}
+        self._start: dict[tuple[str, int | str], float] = {}
 
     @staticmethod
     def _find(spec: list[str] | list[int]) -> list[int | str]:
@@ -169,16 +169,19 @@ class CpuMeter:
         found = subprocess.run(["pgrep", *map(str, spec)], capture_output=True, text=True)
         return list(found.stdout.split())
 
-    def _total(self, name: str) -> float:
-        return sum(proc_cpu_seconds(pid) for pid in self._pids[name])
-
     def start(self) -> None:
         for name, spec in self.groups.items():
             self._pids[name] = self._find(spec)
-            self._start[name] = self._total(name)
+            self._start.update({(name, p): proc_cpu_seconds(p) for p in self._pids[name]})
 
     def stop(self) -> dict[str, float]:
-        self.used = {name: self._total(name) - self._start[name] for name in self.groups}
+        self.used = {
+            # A process gone meanwhile reads 0: it counts nothing rather than a negative.
+            name: sum(
+                max(0.0, proc_cpu_seconds(p) - self._start[name, p]) for p in self._pids[name]
+            )
+            for name in self.groups
+        }
         return self.used
 
     def per_event(self, count: int) -> str:

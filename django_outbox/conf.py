@@ -94,11 +94,11 @@ class OutboxSettings:
         10.0,
         "Seconds to wait for the broker connection (also the blocked-connection timeout).",
     )
-    BATCH_SIZE: Setting[int] = Setting(100, "Events claimed and published per relay batch.")
+    BATCH_SIZE: Setting[int] = Setting(500, "Events claimed and published per relay batch.")
     DB_THREAD: Setting[bool] = Setting(
         True,
-        "The relay settles and claims batches in a second thread while it publishes "
-        "(not on SQLite, nor inside a transaction); False does all of it on one thread.",
+        "The relay claims and settles batches on two more threads (a connection each) while "
+        "it publishes (not on SQLite, nor inside a transaction); False: all on one thread.",
     )
     POLL_INTERVAL: Setting[float] = Setting(
         1.0, "Seconds the relay sleeps when nothing is due (a NOTIFY wakes it sooner)."

@@ -21,6 +21,7 @@ import logging
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -46,6 +47,9 @@ logger = logging.getLogger("django_outbox.relay")
 MAX_ERROR_LENGTH = 2000
 # Seconds of lease a batch claimed ahead must have beyond a full confirm wait when it is sent.
 LEASE_MARGIN = 5.0
+# Batches a draining relay keeps written to the broker and not yet confirmed: the broker
+# works on one while the relay writes the next.
+IN_FLIGHT = 2
 
 
 class BrokerOutage(Exception):
@@ -282,12 +286,11 @@ class Relay:
         held = self.queryset().held_by(token)
         with transaction.atomic(using=self.using):
             if sent:
-                # The token names exactly this batch's rows: when all were confirmed (the
-                # usual case) no list of ids is needed.
-                confirmed = (
-                    held if len(sent) == len(rows) else held.filter(pk__in=[r.pk for r in sent])
+                # By primary key: the token alone would have the database read every
+                # PENDING row (no index has it) to find this batch's.
+                n = held.filter(pk__in=[r.pk for r in sent]).update(
+                    status=Status.SENT, sent_at=DbNow(), lease_token=""
                 )
-                n = confirmed.update(status=Status.SENT, sent_at=DbNow(), lease_token="")
                 result.sent = n
                 if n < len(sent):
                     logger.warning(
@@ -415,13 +418,15 @@ class Relay:
     ) -> PassResult:
         """Run batches until nothing is due (or ``max_events``), then alert on dead rows.
 
-        Pipelined, so the relay, the database and the broker work at the same time: while
-        batch N is written to the broker and confirmed, batch N-1 (confirmed) is settled and
-        batch N+1 claimed, each in its own short transaction, by a second thread with its
-        own database connection (``OUTBOX_DB_THREAD``; on this thread, in turn, on SQLite
-        or inside a transaction). A batch with a lost connection among its results is
-        settled at once, and the outage raised. A claim made ahead and not published (a
-        stop, an outage, an error) is given back: due again, no attempt counted.
+        Pipelined, so the relay, the database and the broker work at the same time: two
+        batches are kept written to the broker (``IN_FLIGHT``); while their confirms come
+        back, the batch before them is settled and the one after them claimed, each in its
+        own short transaction, on a claims thread and a settles thread with a database
+        connection each (``OUTBOX_DB_THREAD``; on this thread, in turn, on SQLite or
+        inside a transaction). A batch with a lost connection among its results is settled
+        at once with every batch in flight behind it, and the outage raised. A claim made
+        ahead and not published (a stop, an outage, an error) is given back: due again, no
+        attempt counted.
 
         Raises BrokerOutage when the broker went away (after alerting on what died).
         """
@@ -453,18 +458,28 @@ class Relay:
             return result
 
         with self._db_worker() as db:
-            ahead = db.submit(claim)  # the next batch, claimed while this one is published
-            settling: Future[PassResult] | None = None  # the last batch, confirmed
+            ahead = db.claim(claim)  # the next batch, claimed while others are published
+            inflight: deque[_Published] = deque()  # written to the broker, oldest first
+            settling: Future[PassResult] | None = None  # the last batch collected
             try:
                 while True:
-                    batch = ahead.result()
-                    ahead = _done(_NOTHING)
-                    if batch.rows and should_stop():
-                        ahead = _done(batch)  # given back below
-                        break
-                    if batch.rows:
-                        batch = self._fresh(batch)
-                    if not batch.rows:
+                    # Keep the broker busy: write batches while the window has room.
+                    while len(inflight) < IN_FLIGHT:
+                        batch = ahead.result()
+                        ahead = _done(_NOTHING)
+                        if batch.rows and should_stop():
+                            ahead = _done(batch)  # given back below
+                            break
+                        if batch.rows:
+                            batch = self._fresh(batch)
+                        if not batch.rows:
+                            break
+                        if batch.full:
+                            ahead = db.claim(claim)
+                        inflight.append(self._send(batch))
+                        if not batch.full:
+                            break
+                    if not inflight:
                         if settling is None:
                             break
                         last, settling = settling, None
@@ -472,23 +487,39 @@ class Relay:
                         # In ordered mode a batch holds one event per aggregate: what it
                         # settled lets the next events of those aggregates become heads.
                         if ordered and (result.sent or result.dead) and not should_stop():
-                            ahead = db.submit(claim)
+                            ahead = db.claim(claim)
                             continue
                         break
-                    if batch.full:
-                        ahead = db.submit(claim)
-                    published = self._collect(self._send(batch))
+                    published = self._collect(inflight.popleft())
                     if settling is not None:
                         last, settling = settling, None
                         settled(last)
-                    settling = db.submit(self._settle_published, published)
                     if published.connection_lost:
-                        last, settling = settling, None
-                        settled(last)  # raises BrokerOutage
+                        # Gone under every batch in flight: settle them all (what was not
+                        # confirmed is released), then let the caller back off.
+                        lost = [published, *(self._collect(p) for p in list(inflight))]
+                        inflight.clear()
+                        outages = []
+                        for each in lost:
+                            try:
+                                settled(db.settle(self._settle_published, each))
+                            except BrokerOutage as exc:
+                                outages.append(exc)
+                        if outages:
+                            raise outages[0]
+                        continue
+                    settling = db.settle(self._settle_published, published)
                 if settling is not None:  # stopped with the last batch still settling
                     last, settling = settling, None
                     settled(last)
             finally:
+                if inflight:
+                    # Stopped on an error with batches written and not collected: forget
+                    # them and give their rows back, due at once (published again, once
+                    # more if the broker had them: an error allows duplicates, never loss).
+                    self.backend.abandon()
+                    for each in inflight:
+                        self.give_back(each.claim)
                 if settling is not None:
                     # The loop stopped on an error (an outage while sending the next batch)
                     # with a confirmed batch still being settled: record what the broker has.
@@ -615,7 +646,7 @@ class Relay:
     def _tidy(self) -> None:
         tidy_connections()
         if self._worker is not None:
-            self._worker.submit(tidy_connections).result()
+            self._worker.each_connection(tidy_connections)
 
     def _ensure_open(self) -> None:
         if not self._opened:
@@ -655,9 +686,22 @@ def _done(value: R) -> Future[R]:
 
 
 class DbWorker:
-    """Runs the relay's database work now, on the calling thread (returns a done future)."""
+    """Runs the relay's database work now, on the calling thread (returns a done future).
 
-    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+    Two lanes: claims and settles. Within a lane, work runs in submission order.
+    """
+
+    def claim(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        return self._run(fn, *args)
+
+    def settle(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        return self._run(fn, *args)
+
+    def each_connection(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on every thread that has a database connection of its own."""
+
+    @staticmethod
+    def _run(fn: Callable[..., R], *args: Any) -> Future[R]:
         future: Future[R] = Future()
         try:
             future.set_result(fn(*args))
@@ -673,22 +717,32 @@ INLINE = DbWorker()
 
 
 class ThreadDbWorker(DbWorker):
-    """Runs the relay's database work on one thread of its own, in submission order.
+    """Runs the relay's claims on one thread and its settles on another, each with its own
+    database connection (Django's are per thread), closed with the worker.
 
-    The thread has its own database connection (Django's are per thread): it is closed
-    with the worker.
+    Claims and settles are separate short transactions that need not wait for each other:
+    on two connections the database runs them side by side.
     """
 
     def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-claim")
+        self._settles = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-settle")
 
-    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._pool.submit(fn, *args)
+    def claim(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        return self._claims.submit(fn, *args)
+
+    def settle(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        return self._settles.submit(fn, *args)
+
+    def each_connection(self, fn: Callable[[], Any]) -> None:
+        for pool in (self._claims, self._settles):
+            pool.submit(fn).result()
 
     def close(self) -> None:
-        with suppress(Exception):
-            self._pool.submit(connections.close_all).result()
-        self._pool.shutdown(wait=True)
+        for pool in (self._claims, self._settles):
+            with suppress(Exception):
+                pool.submit(connections.close_all).result()
+            pool.shutdown(wait=True)
 
 
 class Backoff:

@@ -175,6 +175,49 @@ def test_unroutable_is_a_failure_even_though_the_broker_acks_it(broker: Broker) 
     assert len(broker.get_all(queue, 3)) == 3
 
 
+def test_batches_in_flight_together_are_collected_in_order(broker: Broker) -> None:
+    """The relay writes batch 2 before it waits for batch 1: confirms (``multiple``
+    included) and returns are matched to the right batch."""
+    queue = broker.queue("ORDER_CREATED")  # ORDER_PAID has no binding
+    first = make_rows(300)
+    second = make_rows(2, start=1000) + make_rows(1, event_type="ORDER_PAID", start=2000)
+    third = make_rows(50, start=3000)
+    with backend_for(broker) as backend:
+        backend.send(first)
+        backend.send(second)
+        got_first = backend.wait()
+        backend.send(third)
+        got_second, got_third = backend.wait(), backend.wait()
+        assert backend.wait() == []
+    assert [r.ok for r in got_first] == [True] * 300
+    assert [r.ok for r in got_second] == [True, True, False]
+    assert got_second[2].reason is Reason.UNROUTABLE
+    assert [r.ok for r in got_third] == [True] * 50
+    assert len(broker.get_all(queue, 352)) == 352
+
+
+def test_connection_lost_under_two_batches_fails_both_and_the_next_send_reconnects(
+    broker: Broker, proxied
+) -> None:
+    proxy, url = proxied
+    queue = broker.queue("#")
+    backend = backend_for(broker, url, confirm_timeout=10)
+    try:
+        backend.open()
+        proxy.pause()  # written, never confirmed
+        backend.send(make_rows(20))
+        backend.send(make_rows(20, start=100))
+        proxy.cut()
+        results = backend.wait() + backend.wait()
+        assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
+        proxy.resume()
+        backend.send(make_rows(3, start=500))
+        assert [r.ok for r in backend.wait()] == [True] * 3
+    finally:
+        backend.close()
+    assert len(broker.get_all(queue, 3, timeout=2)) >= 3
+
+
 def test_nack_from_a_full_reject_publish_queue(broker: Broker) -> None:
     broker.queue("#", **{"x-max-length": 0, "x-overflow": "reject-publish"})
     with backend_for(broker) as backend:

@@ -334,9 +334,9 @@ def test_drain_claims_the_next_batch_before_waiting_for_confirms():
     # On one thread, so what the database holds at each wait is exact.
     result = make_relay(backend=backend, batch_size=100, db_thread=False).drain()
     assert (result.sent, result.batches) == (250, 3)
-    # While batch 1 is being confirmed, batch 2 is already claimed (200 leased); the
-    # claim's transaction has committed: none is open while waiting for the broker.
-    assert backend.seen == [(200, False), (150, False), (50, False)]
+    # Batches 1 and 2 are written before the relay waits for batch 1, and batch 3 is
+    # claimed (250 leased); no claim's transaction is open while waiting for the broker.
+    assert backend.seen == [(250, False), (150, False), (50, False)]
     assert [m.headers["sequence"] for m in locmem.outbox] == sorted(
         OutboxEvent.objects.values_list("id", flat=True)
     )
@@ -348,11 +348,13 @@ def test_a_claim_made_ahead_is_given_back_when_the_relay_stops(db_thread):
     stop = threading.Event()
     relay = make_relay(backend=Observing(on_wait=stop.set), batch_size=100, db_thread=db_thread)
     result = relay.drain(should_stop=stop.is_set)
-    assert (result.sent, result.batches) == (100, 1)
+    # The two batches already handed to the backend are finished; the third, claimed
+    # ahead, is given back.
+    assert (result.sent, result.batches) == (200, 2)
     waiting = OutboxEvent.objects.pending()
-    assert waiting.count() == 150
+    assert waiting.count() == 50
     assert not waiting.exclude(lease_token="").exists()
-    assert OutboxEvent.objects.due().count() == 150  # due again at once
+    assert OutboxEvent.objects.due().count() == 50  # due again at once
     assert all(e.retry_count == 0 and e.last_error == "" for e in waiting)
 
 
@@ -442,15 +444,20 @@ def test_a_batch_claimed_ahead_too_long_ago_is_claimed_again():
     assert not OutboxEvent.objects.exclude(lease_token="").exists()
 
 
-def test_default_backend_send_then_wait_is_publish():
-    events = emit_many(2)
+def test_default_backend_send_then_wait_is_publish_in_order():
+    first, second = emit_many(2)
     backend = locmem.LocmemBackend()
-    backend.send(events)
-    with pytest.raises(RuntimeError, match="before wait"):
-        backend.send(events)
-    assert [r.ok for r in backend.wait()] == [True, True]
+    backend.send([first])
+    backend.send([second])
+    assert not locmem.outbox  # nothing is published before wait()
+    assert [r.ok for r in backend.wait()] == [True]
+    assert [m.message_id for m in locmem.outbox] == [first.event_id]
+    assert [r.ok for r in backend.wait()] == [True]
     assert backend.wait() == []
-    assert len(locmem.outbox) == 2
+    backend.send([first])
+    backend.abandon()  # forgotten: never published
+    assert backend.wait() == []
+    assert [m.message_id for m in locmem.outbox] == [first.event_id, second.event_id]
 
 
 def test_giving_back_a_claim_another_relay_took_over_changes_nothing_and_says_so(caplog):

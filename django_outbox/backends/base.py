@@ -10,6 +10,7 @@ reasons, into a pause of the whole relay that does not count against the row.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -71,7 +72,7 @@ class BaseBackend:
     connection and must be safe to call more than once. A backend is used by one thread.
     """
 
-    _sent: list[OutboxEvent] | None = None  # the batch given to send(), for the default wait()
+    _sent: deque[list[OutboxEvent]] | None = None  # batches given to send(), for wait()
 
     def __init__(
         self,
@@ -126,20 +127,27 @@ class BaseBackend:
     def send(self, events: Sequence[OutboxEvent]) -> None:
         """Start publishing a batch; :meth:`wait` returns its results.
 
-        Between the two calls the relay settles the previous batch and claims the next, so
-        its database work overlaps the broker's. One batch at a time: ``send`` again only
-        after ``wait``. The default defers everything to :meth:`publish` in ``wait``; a
-        backend with asynchronous confirms overrides both. Either may raise what
-        :meth:`publish` raises.
+        The relay may send the next batch before it waits for this one, and between the
+        calls it settles earlier batches and claims the next, so its database work and the
+        broker's overlap. :meth:`wait` returns the results of the batches in the order they
+        were sent. The default defers everything to :meth:`publish` in ``wait``; a backend
+        with asynchronous confirms overrides both. Either may raise what :meth:`publish`
+        raises.
         """
-        if self._sent is not None:
-            raise RuntimeError("send() called again before wait() returned the last batch")
-        self._sent = list(events)
+        if self._sent is None:
+            self._sent = deque()
+        self._sent.append(list(events))
 
     def wait(self) -> list[PublishResult]:
-        """The results of the batch given to :meth:`send` (as :meth:`publish` returns)."""
-        events, self._sent = self._sent or [], None
-        return self.publish(events)
+        """The results of the oldest batch given to :meth:`send` (as :meth:`publish`)."""
+        if not self._sent:
+            return []
+        return self.publish(self._sent.popleft())
+
+    def abandon(self) -> None:
+        """Forget the batches sent and not yet waited for: the relay stopped on an error
+        with batches in flight. Their rows stay claimed until their lease runs out."""
+        self._sent = None
 
     def routing_key(self, event: OutboxEvent) -> str:
         if self._routing_key_func is not None:

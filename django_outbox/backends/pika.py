@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -88,19 +89,8 @@ class PikaBackend(AmqpBackend):
         self._next_tag = 1  # delivery tag of the next publish on this channel
         self._done: Callable[[], bool] | None = None  # stop the loop once this is true
 
-        # The batch in flight. Position k is delivery tag _base_tag + k; _positions[k] is
-        # the index of that message's row in the batch.
-        self._results: list[PublishResult | None] | None = None
-        self._positions: list[int] = []
-        self._base_tag = 0
-        self._low = 0  # every position below this one is settled
-        self._unsettled = 0
-        self._returned: set[int] = set()  # row indexes the broker sent back
-        self._return_errors: dict[int, str] = {}
-        self._index_by_id: dict[str, int] | None = None
-        self._events: Sequence[OutboxEvent] = ()
-        self._lost = ""  # why the connection/channel went away during the batch
-        self._sent_at = 0.0  # monotonic time of send(): the confirm timeout counts from it
+        # Batches written and not yet collected by wait(), oldest first (see _Batch).
+        self._inflight: deque[_Batch] = deque()
 
     def __repr__(self) -> str:
         return f"<PikaBackend {self.masked_url} exchange={self.exchange!r}>"
@@ -209,6 +199,7 @@ class PikaBackend(AmqpBackend):
         )
 
     def close(self) -> None:
+        self.abandon()
         connection, self._connection = self._connection, None
         self._channel = None
         self._ready = False
@@ -263,7 +254,7 @@ class PikaBackend(AmqpBackend):
         if isinstance(error, pika.exceptions.ConnectionClosedByClient):
             return self._wake()
         reason = _describe(error)
-        if self._results is None and not self._open_error:
+        if not self._inflight and not self._open_error:
             self._open_error = f"connection closed: {reason}"
         logger.warning("connection to %s lost: %s", self.masked_url, reason)
         self._connection_lost(f"connection lost: {reason}")
@@ -298,7 +289,7 @@ class PikaBackend(AmqpBackend):
         self._channel = None
         self._ready = False
         reason = _describe(error)
-        if not self._open_error and self._results is None:
+        if not self._open_error and not self._inflight:
             # Closed while opening: e.g. a passive declare of a missing exchange.
             self._open_error = f"channel closed: {reason}" + _exchange_hint(
                 error, self.exchange, self.exchange_passive
@@ -361,64 +352,63 @@ class PikaBackend(AmqpBackend):
     def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
         if not events:
             return []
+        if self._inflight:
+            raise RuntimeError("publish() called while batches sent with send() are in flight")
         self.send(events)
         return self.wait()
 
     def send(self, events: Sequence[OutboxEvent]) -> None:
-        """Write the whole batch to the socket; :meth:`wait` collects the confirms."""
-        if self._results is not None:
-            raise RuntimeError("send() called again before wait() returned the last batch")
-        self._sent_at = time.monotonic()
+        """Write the whole batch to the socket; :meth:`wait` collects its confirms.
+
+        Batches sent earlier may still be in flight: the broker keeps working on them while
+        this one is written.
+        """
         if not events:
-            self._results, self._positions, self._unsettled, self._lost = [], [], 0, ""
+            self._inflight.append(_Batch(events, self._next_tag))
             return
-        self._poll()
-        self.open()
+        if not self._inflight:
+            self._poll()
+            self.open()  # a new channel numbers its deliveries from 1 again
+        batch = _Batch(events, self._next_tag)
         if self._blocked:
             raise BrokerUnavailable(
                 f"RabbitMQ at {self.masked_url} has blocked publishing (a memory or disk "
                 "alarm); see `rabbitmqctl status` and docs/operations.md. Nothing was sent."
             )
-        count = len(events)
-        results: list[PublishResult | None] = [None] * count
-        self._results = results
-        self._events = events
-        positions: list[int] = []
-        self._positions = positions
-        self._base_tag = self._next_tag
-        self._low = 0
-        self._returned = set()
-        self._return_errors = {}
-        self._index_by_id = None
-        self._lost = ""
-        self._unsettled = 0
+        if self._inflight and self._inflight[-1].lost:
+            # The connection went away under an earlier batch: nothing more can be written.
+            batch.fail_from(0, Reason.CONNECTION_LOST, self._inflight[-1].lost)
+            self._inflight.append(batch)
+            return
+        self._inflight.append(batch)
         try:
-            self._send(events, results, positions)
+            self._send(batch)
         except BaseException:
-            self._forget_batch()
+            self._inflight.remove(batch)
             raise
 
     def wait(self) -> list[PublishResult]:
-        """Run the I/O loop until every message of the batch is settled or timed out.
+        """Run the I/O loop until every message of the oldest batch in flight is settled or
+        timed out; return its results.
 
-        The confirm timeout counts from :meth:`send`; what arrived meanwhile is read first,
-        so a relay slowed down between the two calls does not time out confirms it has.
+        The confirm timeout counts from its :meth:`send`; what arrived meanwhile is read
+        first, so a relay slowed down between the two calls does not time out confirms it
+        has.
         """
-        results = self._results
-        if results is None:
+        if not self._inflight:
             return []
-        positions = self._positions
+        batch = self._inflight[0]
         try:
-            while not self._batch_done():
-                unsettled = self._unsettled
+            while not batch.done:
+                unsettled = batch.unsettled
                 self._poll()
-                if self._unsettled == unsettled:
+                if batch.unsettled == unsettled:
                     break
-            timeout = self.confirm_timeout - (time.monotonic() - self._sent_at)
-            self._run(self._batch_done, max(timeout, 0.0))
-            if self._unsettled:
-                if self._lost:
-                    failure = PublishResult.failed(Reason.CONNECTION_LOST, self._lost)
+            timeout = self.confirm_timeout - (time.monotonic() - batch.sent_at)
+            self._run(lambda: batch.done, max(timeout, 0.0))
+            if batch.unsettled:
+                if batch.lost:
+                    failure = PublishResult.failed(Reason.CONNECTION_LOST, batch.lost)
                 elif self._blocked:
                     # A broker alarm is not the events' fault: let the relay back off.
                     failure = PublishResult.failed(
@@ -431,32 +421,25 @@ class PikaBackend(AmqpBackend):
                         f"no publisher confirm from RabbitMQ within {self.confirm_timeout:g} s "
                         "(OUTBOX_CONFIRM_TIMEOUT)",
                     )
-                for index in positions[self._low :]:
-                    if results[index] is None:
-                        results[index] = failure
+                batch.fail_unsettled(failure)
         finally:
-            self._forget_batch()
-        return results  # type: ignore[return-value]  # every slot is filled above
+            self._inflight.popleft()
+        return batch.results  # type: ignore[return-value]  # every slot is filled above
 
-    def _forget_batch(self) -> None:
-        self._results = None
-        self._events = ()
-        self._positions = []
-        self._index_by_id = None
+    def abandon(self) -> None:
+        # Confirms and returns still to come for them match no batch and are ignored.
+        self._inflight.clear()
 
-    def _send(
-        self,
-        events: Sequence[OutboxEvent],
-        results: list[PublishResult | None],
-        positions: list[int],
-    ) -> None:
+    def _send(self, batch: _Batch) -> None:
         channel = self._channel
         assert channel is not None
         exchange = self.exchange
         routing_key = self.routing_key
         properties = spec.BasicProperties
         publish = channel.basic_publish
-        append = positions.append
+        results = batch.results
+        events = batch.events
+        append = batch.positions.append
         flush_every = FLUSH_EVERY
         for index, event in enumerate(events):
             try:
@@ -485,62 +468,37 @@ class PikaBackend(AmqpBackend):
                     results[index] = PublishResult.failed(Reason.SERIALISATION, _encode_error(exc))
                     continue
                 # The channel went away under us (only possible if a callback ran).
-                error = f"publish failed: {_describe(exc)}"
-                for rest in range(index, len(events)):
-                    if results[rest] is None:
-                        results[rest] = PublishResult.failed(Reason.CONNECTION_LOST, error)
+                batch.fail_from(index, Reason.CONNECTION_LOST, f"publish failed: {_describe(exc)}")
                 break
             append(index)
-            self._unsettled += 1
-            if not len(positions) % flush_every:
+            self._next_tag += 1
+            batch.unsettled += 1
+            if not len(batch.positions) % flush_every:
                 # Let the broker start on what is written while the rest is being built.
                 self._poll()
-                if self._lost:
-                    for rest in range(index + 1, len(events)):
-                        if results[rest] is None:
-                            results[rest] = PublishResult.failed(Reason.CONNECTION_LOST, self._lost)
+                if batch.lost:
+                    batch.fail_from(index + 1, Reason.CONNECTION_LOST, batch.lost)
                     break
-        self._next_tag += len(positions)
-
-    def _batch_done(self) -> bool:
-        return not self._unsettled or bool(self._lost)
 
     def _connection_lost(self, reason: str) -> None:
-        if self._results is not None and not self._lost:
-            self._lost = reason
+        for batch in self._inflight:
+            if not batch.lost:
+                batch.lost = reason
         self._wake()
 
     def _on_confirm(self, frame: Method) -> None:
-        results = self._results
-        if results is None:
-            return  # a late confirm of a batch that already timed out
         method = frame.method
-        position = method.delivery_tag - self._base_tag
-        if position < self._low or position >= len(self._positions):
-            return
+        tag = method.delivery_tag
         nacked = isinstance(method, spec.Basic.Nack)
-        first = self._low if method.multiple else position
-        positions = self._positions
-        for k in range(first, position + 1):
-            index = positions[k]
-            if results[index] is not None:
-                continue
-            if nacked:
-                results[index] = PublishResult.failed(
-                    Reason.NACKED, "RabbitMQ refused the message (basic.nack)"
-                )
-            elif index in self._returned:
-                results[index] = PublishResult.failed(
-                    Reason.UNROUTABLE, self._return_errors.get(index, "returned")
-                )
-            else:
-                results[index] = PublishResult.sent()
-            self._unsettled -= 1
-        low = self._low
-        while low < len(positions) and results[positions[low]] is not None:
-            low += 1
-        self._low = low
-        if not self._unsettled:
+        for batch in self._inflight:
+            if batch.base_tag > tag:
+                break
+            if method.multiple:
+                batch.confirm_up_to(tag, nacked)
+            elif tag < batch.base_tag + len(batch.positions):
+                batch.confirm_up_to(tag, nacked, only=True)
+                break
+        if self._inflight and self._inflight[0].done:
             self._wake()
 
     def _on_return(
@@ -550,19 +508,87 @@ class PikaBackend(AmqpBackend):
         properties: spec.BasicProperties,
         body: bytes,
     ) -> None:
-        if self._results is None:
-            return
-        if self._index_by_id is None:
-            # Returns are rare: build the lookup only when the first one arrives.
-            self._index_by_id = {e.event_id: i for i, e in enumerate(self._events)}
-        index = self._index_by_id.get(properties.message_id or "")
-        if index is None:
-            return
-        self._returned.add(index)
-        self._return_errors[index] = (
+        message_id = properties.message_id or ""
+        error = (
             f"returned by RabbitMQ: {method.reply_code} {method.reply_text} (no queue bound "
             f"to exchange {method.exchange!r} for routing key {method.routing_key!r})"
         )
+        for batch in self._inflight:
+            if batch.mark_returned(message_id, error):
+                return
+
+
+class _Batch:
+    """One batch written to the channel and not yet collected by ``wait()``.
+
+    Position k of the batch is delivery tag ``base_tag + k``; ``positions[k]`` is the index
+    of that message's row (rows that could not be built have no position).
+    """
+
+    def __init__(self, events: Sequence[OutboxEvent], base_tag: int) -> None:
+        self.events = events
+        self.base_tag = base_tag
+        self.results: list[PublishResult | None] = [None] * len(events)
+        self.positions: list[int] = []
+        self.low = 0  # every position below this one is settled
+        self.unsettled = 0
+        self.returned: dict[int, str] = {}  # row index -> why the broker sent it back
+        self.index_by_id: dict[str, int] | None = None
+        self.lost = ""  # why the connection or channel went away while in flight
+        self.sent_at = time.monotonic()  # the confirm timeout counts from here
+
+    @property
+    def done(self) -> bool:
+        return not self.unsettled or bool(self.lost)
+
+    def confirm_up_to(self, tag: int, nacked: bool, *, only: bool = False) -> None:
+        """Settle the message with delivery ``tag`` (``only``), or every one up to it."""
+        last = min(tag - self.base_tag, len(self.positions) - 1)
+        first = last if only else self.low
+        if last < self.low:
+            return
+        results, positions = self.results, self.positions
+        for k in range(first, last + 1):
+            index = positions[k]
+            if results[index] is not None:
+                continue
+            if nacked:
+                results[index] = PublishResult.failed(
+                    Reason.NACKED, "RabbitMQ refused the message (basic.nack)"
+                )
+            elif index in self.returned:
+                results[index] = PublishResult.failed(Reason.UNROUTABLE, self.returned[index])
+            else:
+                results[index] = PublishResult.sent()
+            self.unsettled -= 1
+        low = self.low
+        while low < len(positions) and results[positions[low]] is not None:
+            low += 1
+        self.low = low
+
+    def mark_returned(self, message_id: str, error: str) -> bool:
+        if self.index_by_id is None:
+            # Returns are rare: build the lookup only when the first one arrives.
+            self.index_by_id = {e.event_id: i for i, e in enumerate(self.events)}
+        index = self.index_by_id.get(message_id)
+        if index is None:
+            return False
+        self.returned[index] = error
+        return True
+
+    def fail_from(self, start: int, reason: Reason, error: str) -> None:
+        """Rows from ``start`` on, not written: failed with ``reason``."""
+        failure = PublishResult.failed(reason, error)
+        results = self.results
+        for index in range(start, len(results)):
+            if results[index] is None:
+                results[index] = failure
+
+    def fail_unsettled(self, failure: PublishResult) -> None:
+        for index in self.positions[self.low :]:
+            if self.results[index] is None:
+                self.results[index] = failure
+                self.unsettled -= 1
 
 
 def _describe(error: Any) -> str:

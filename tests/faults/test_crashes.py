@@ -93,8 +93,8 @@ def test_relay_dead_for_good_compensator_alone_delivers_every_stale_row(broker, 
 
 @dataclass
 class Held:
-    """What a relay waiting for confirms holds: the batch it published, and the next one,
-    claimed ahead while the first is confirmed (not published)."""
+    """What a relay waiting for confirms holds: the batches it published (two in flight),
+    and the next one, claimed ahead while those are confirmed (not published)."""
 
     published: set[str]
     ahead: set[str]
@@ -104,13 +104,16 @@ class Held:
         return self.published | self.ahead
 
 
+WAITING_BACKLOG = 400  # the waiting relay holds 300 (three batches of 100); 100 are free
+
+
 def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings):
-    """A relay holding one published batch whose confirms the proxy holds back.
+    """A relay holding published batches whose confirms the proxy holds back.
 
     The relay first delivers one event (so it is connected), then the proxy stops passing
-    the broker's answers and 300 events are committed: the relay claims a batch, writes it
-    to the broker (the messages do reach the queue), claims the next batch ahead and waits
-    for confirms.
+    the broker's answers and 400 events are committed: the relay claims batches, writes two
+    to the broker (the messages do reach the queue), claims a third ahead and waits for
+    confirms.
     """
     tcp, url = proxy
     emit(1)
@@ -119,15 +122,15 @@ def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings
     )
     wait_for(lambda: counts()["sent"] == 1, timeout=60, what="relay connected", processes=procs)
     tcp.pause()
-    emit(300)
-    wait_for(lambda: counts()["leased"] == 200, timeout=30, what="two claims", processes=procs)
-    time.sleep(0.3)  # the claimed batch is written to the socket right after the claim
+    emit(WAITING_BACKLOG)
+    wait_for(lambda: counts()["leased"] == 300, timeout=30, what="three claims", processes=procs)
+    time.sleep(0.3)  # the claimed batches are written to the socket right after the claim
     claims: dict[str, set[str]] = {}
     leased = OutboxEvent.objects.pending().exclude(lease_token="").order_by("id")
     for token, event_id in leased.values_list("lease_token", "event_id"):
         claims.setdefault(token, set()).add(event_id)
-    first, ahead = claims.values()  # in id order: the first claim is the one published
-    return relay, Held(published=first, ahead=ahead)
+    first, second, ahead = claims.values()  # in id order: the first two are published
+    return relay, Held(published=first | second, ahead=ahead)
 
 
 def leases(event_ids: set[str]) -> list[str]:
@@ -161,7 +164,7 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
     tcp_a.resume()  # A's confirms now wait in its socket
     batch = held.all
     tokens_a = set(leases(batch))
-    assert len(tokens_a) == 2
+    assert len(tokens_a) == 3
     tcp_b, url_b = TcpProxy.for_url(broker.url)
     try:
         taker = procs.relay(
@@ -196,7 +199,7 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
         if freeze == "confirms in hand":
             assert "taken over by another relay" in frozen.stderr()
         tcp_b.resume()
-        wait_for(lambda: counts()["sent"] == 301, timeout=30, what="B's settle", processes=procs)
+        wait_for(lambda: counts()["sent"] == 401, timeout=30, what="B's settle", processes=procs)
         assert frozen.stop() == 0, frozen.tail()
         assert taker.stop() == 0, taker.tail()
     finally:
@@ -205,7 +208,7 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
     verdict = check_invariants(
         f"SIGSTOP past the lease, takeover, SIGCONT ({freeze})", broker, record, crashed=True
     )
-    # Only A's published batch went out twice (it had reached the broker before the
+    # Only A's published batches went out twice (they had reached the broker before the
     # freeze); the batch A claimed ahead was given back unpublished when it resumed.
     assert verdict.duplicates <= len(held.published)
 
@@ -232,7 +235,7 @@ def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxy, pr
     assert set(broker.collect()) == sent  # confirmed <=> SENT, before anything else runs
     rest = procs.run("publish_outbox", "--once", name="rest")
     assert rest.popen.returncode == 0, rest.tail()
-    assert OutboxEvent.objects.filter(status=Status.SENT).count() == 301
+    assert OutboxEvent.objects.filter(status=Status.SENT).count() == 401
     check_invariants("SIGTERM with confirms outstanding", broker, record, crashed=False)
 
 
@@ -249,6 +252,6 @@ def test_second_sigterm_exits_1_and_the_batch_comes_back(broker, proxy, procs, r
     tcp.resume()
     assert not OutboxEvent.objects.filter(event_id__in=held.all).exclude(status=Status.PENDING)
     rest = procs.relay(name="rest")
-    wait_for(lambda: counts()["sent"] == 301, timeout=30, what="the rest", processes=procs)
+    wait_for(lambda: counts()["sent"] == 401, timeout=30, what="the rest", processes=procs)
     assert rest.stop() == 0, rest.tail()
     check_invariants("second SIGTERM with confirms outstanding", broker, record, crashed=True)
