@@ -6,6 +6,7 @@ outages are made with tests.utils.proxy.TcpProxy, never by touching the shared b
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -119,6 +120,21 @@ def backend_for(broker: Broker, url: str | None = None, **options: object) -> Pi
     return PikaBackend(broker_url=url or broker.url, exchange=broker.exchange, **options)
 
 
+@contextlib.contextmanager
+def through_proxy(
+    broker: Broker, proxied: tuple[TcpProxy, str], confirm_timeout: float = 10
+) -> Iterator[tuple[TcpProxy, str, PikaBackend]]:
+    """An open backend whose connection goes through the proxy, and a queue bound to all."""
+    proxy, url = proxied
+    queue = broker.queue("#")
+    backend = backend_for(broker, url, confirm_timeout=confirm_timeout)
+    try:
+        backend.open()
+        yield proxy, queue, backend
+    finally:
+        backend.close()
+
+
 def test_messages_arrive_with_properties_body_and_headers(broker: Broker) -> None:
     queue = broker.queue("ORDER_CREATED")
     rows = make_rows(3)
@@ -199,11 +215,7 @@ def test_batches_in_flight_together_are_collected_in_order(broker: Broker) -> No
 def test_connection_lost_under_two_batches_fails_both_and_the_next_send_reconnects(
     broker: Broker, proxied
 ) -> None:
-    proxy, url = proxied
-    queue = broker.queue("#")
-    backend = backend_for(broker, url, confirm_timeout=10)
-    try:
-        backend.open()
+    with through_proxy(broker, proxied) as (proxy, queue, backend):
         proxy.pause()  # written, never confirmed
         backend.send(make_rows(20))
         backend.send(make_rows(20, start=100))
@@ -213,8 +225,6 @@ def test_connection_lost_under_two_batches_fails_both_and_the_next_send_reconnec
         proxy.resume()
         backend.send(make_rows(3, start=500))
         assert [r.ok for r in backend.wait()] == [True] * 3
-    finally:
-        backend.close()
     assert len(broker.get_all(queue, 3, timeout=2)) >= 3
 
 
@@ -279,11 +289,7 @@ def test_timeout_when_the_broker_stops_answering(broker: Broker, proxied) -> Non
 def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
     broker: Broker, proxied
 ) -> None:
-    proxy, url = proxied
-    queue = broker.queue("#")
-    backend = backend_for(broker, url, confirm_timeout=10)
-    try:
-        backend.open()
+    with through_proxy(broker, proxied) as (proxy, queue, backend):
         # Only about the first ten messages reach the broker; the rest wait in the proxy.
         proxy.hold_upstream_after(10 * 400)
         seen = proxy.downstream_bytes
@@ -317,8 +323,6 @@ def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
         proxy.allow()
         again = backend.publish(make_rows(4, start=1000))
         assert [r.ok for r in again] == [True] * 4
-    finally:
-        backend.close()
     delivered = len(broker.get_all(queue, confirmed + 4, timeout=2))
     assert delivered >= confirmed + 4
 
