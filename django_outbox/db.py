@@ -43,6 +43,9 @@ def tidy_connections() -> None:
     as Django does, so the next pass reconnects after an outage.
     """
     for conn in connections.all(initialized_only=True):
+        if conn.in_atomic_block:
+            _forget_stuck_transaction(conn)
+            continue
         if conn.connection is None:
             continue
         if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
@@ -57,6 +60,29 @@ def tidy_connections() -> None:
                     conn.close()
         elif conn.settings_dict.get("CONN_MAX_AGE"):
             conn.close_if_unusable_or_obsolete()
+
+
+def _forget_stuck_transaction(conn: Any) -> None:
+    """A connection "in a transaction" between passes, where none is open.
+
+    ``atomic()`` leaves this behind when its own entry fails on a connection that died
+    (it takes a connection whose autocommit is off for an outer transaction, then cannot
+    make its savepoint), and Django then refuses every new connection on that thread:
+    "Cannot open a new connection in an atomic block", for good. Only called between
+    passes, outside any ``atomic()``: forget the state and the connection.
+    """
+    with suppress(DatabaseError):
+        conn.close()  # inside a transaction Django only flags it as closed
+    with suppress(DatabaseError):
+        if conn.connection is not None:
+            conn._close()
+    conn.connection = None
+    conn.in_atomic_block = False
+    conn.savepoint_ids = []
+    conn.atomic_blocks = []
+    conn.needs_rollback = False
+    conn.closed_in_transaction = False
+    conn.commit_on_exit = True
 
 
 # -- run-once locks ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 
 from django_outbox.db import tidy_connections
 
@@ -31,6 +31,23 @@ def test_a_connection_that_failed_and_is_unusable_is_closed():
     tidy_connections()
     assert connection.connection is None
     with connection.cursor() as cursor:  # the next pass reconnects
+        cursor.execute("SELECT 1")
+
+
+def test_a_connection_stuck_in_a_dead_transaction_is_forgotten():
+    """The state a relay thread was left in on MariaDB when its session was killed: Django
+    believed a transaction open where none was, and refused every new connection."""
+    if connection.vendor == "sqlite":
+        pytest.skip("closing the raw connection would drop the in-memory test database")
+    connection.ensure_connection()
+    connection.set_autocommit(False)  # as an atomic() whose exit could not restore it
+    connection.connection.close()  # the session is gone
+    with pytest.raises(DatabaseError), transaction.atomic():
+        pass  # taken for an inner block: its savepoint fails in __enter__
+    assert connection.in_atomic_block  # and nothing will ever leave that block
+    tidy_connections()
+    assert not connection.in_atomic_block
+    with transaction.atomic(), connection.cursor() as cursor:  # the next pass works
         cursor.execute("SELECT 1")
 
 
