@@ -41,10 +41,12 @@ RESERVED_HEADERS = frozenset(
 )
 
 
+# One encoder for every body (it keeps no state between calls): compact, UTF-8 as is.
+_BODY_ENCODER = DjangoJSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def encode_body(event: OutboxEvent) -> bytes:
-    return json.dumps(
-        event.payload, cls=DjangoJSONEncoder, ensure_ascii=False, separators=(",", ":")
-    ).encode()
+    return _BODY_ENCODER.encode(event.payload).encode()
 
 
 def encode_headers(event: OutboxEvent) -> dict[str, Any]:
