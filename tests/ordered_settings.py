@@ -18,6 +18,7 @@ OUTBOX_RETRY_SCHEDULE = [0.3, 0.3, 0.3, 1, 1, 1, 1, 1]
 OUTBOX_LEASE_SECONDS = float(os.environ.get("ORDERED_TEST_LEASE", "60"))
 OUTBOX_CONFIRM_TIMEOUT = min(10.0, OUTBOX_LEASE_SECONDS / 2)
 OUTBOX_POLL_INTERVAL = 0.2
+OUTBOX_DB_THREAD = os.environ.get("ORDERED_TEST_DB_THREAD", "1") == "1"
 
 #: The only routing key the test's queue binds; anything else comes back unroutable.
 ROUTABLE = "ok"

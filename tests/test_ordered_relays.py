@@ -119,12 +119,19 @@ class Relays:
 
 @contextmanager
 def relays(
-    broker: Broker, tmp_path: Path, *, count: int, ordered: bool, lease: float = 60.0
+    broker: Broker,
+    tmp_path: Path,
+    *,
+    count: int,
+    ordered: bool,
+    lease: float = 60.0,
+    db_thread: bool = True,
 ) -> Iterator[Relays]:
     env = django_env(
         DJANGO_SETTINGS_MODULE="tests.ordered_settings",
         ORDERED_TEST_EXCHANGE=broker.exchange,
         ORDERED_TEST_LEASE=str(lease),
+        ORDERED_TEST_DB_THREAD="1" if db_thread else "0",
         OUTBOX_ORDERED="1" if ordered else "0",
         AMQP_URL=broker.url,
     )
@@ -310,14 +317,15 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
     """SIGSTOP a relay holding heads; others take them over; SIGCONT: its publish is stale.
 
     The frozen relay runs alone at first, so every leased row is its own when it stops.
-    Its database thread is in a transaction much of the time while it drains: the backlog
-    is large enough for many tries, a few milliseconds apart, to land between two.
+    The freeze must land between two of its transactions, so it does its database work on
+    its own thread (OUTBOX_DB_THREAD off): with the claim and settle threads of a draining
+    relay one of them is nearly always inside one. Tries a few milliseconds apart.
     """
     aggregates, events, lease = 100, 20, 4.0
     write_backlog(aggregates, events, fail_first=0.0)
     total = aggregates * events
     rng = random.Random(5)
-    with relays(broker, tmp_path, count=1, ordered=True, lease=lease) as frozen:
+    with relays(broker, tmp_path, count=1, ordered=True, lease=lease, db_thread=False) as frozen:
         held: dict[int, str] = {}
         for _attempt in range(400):
             wait_until(lambda: bool(leased_rows()), timeout=60, what="a claim", group=frozen)

@@ -180,6 +180,16 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
             lambda: counts()["sent"] == 101, timeout=60, what="B's first pass", processes=procs
         )
         tcp_b.pause()
+        # A's three claims run out a few milliseconds apart: B is frozen until all have, so
+        # it takes them in one claim (batch 500) rather than time out on them one by one.
+        taker.signal(signal.SIGSTOP)
+        wait_for(
+            lambda: OutboxEvent.objects.filter(event_id__in=batch).due().count() == len(batch),
+            timeout=30,
+            what="A's leases to run out",
+            processes=procs,
+        )
+        taker.signal(signal.SIGCONT)
         wait_for(
             lambda: "" not in (now := set(leases(batch))) and not now & tokens_a,
             timeout=30,
