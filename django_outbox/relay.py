@@ -395,7 +395,7 @@ class Relay:
             if given < len(claim.rows):
                 logger.warning(
                     "[%s] %d of %d events claimed ahead had been taken over by another relay "
-                    "(this relay outlived its lease); not published by this one",
+                    "(this relay outlived its lease); left to it",
                     self.job,
                     len(claim.rows) - given,
                     len(claim.rows),
