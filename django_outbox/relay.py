@@ -209,32 +209,21 @@ class Relay:
         return _Claim(token, rows, limit, time.monotonic())
 
     def _send(self, claim: _Claim) -> _Published:
-        """Hand the batch to the backend (``send``); its confirms are collected later.
-
-        A broker that cannot be reached: the claim is released and BrokerOutage raised.
-        """
+        """Hand the batch to the backend (``send``); its confirms are collected later."""
         published = _Published(claim)
-        try:
-            self._ensure_open()
-            self.backend.send(claim.rows)
-        except BrokerUnavailable as exc:
-            self.release(claim.token, claim.rows, f"broker unavailable: {exc}")
-            raise BrokerOutage(str(exc)) from exc
-        except Exception as exc:
-            published.results = self._backend_error(claim, exc)
+        published.results = self._call_backend(claim, self._send_rows, claim.rows)
         return published
+
+    def _send_rows(self, rows: list[OutboxEvent]) -> None:
+        self._ensure_open()
+        self.backend.send(rows)
 
     def _collect(self, published: _Published) -> _Published:
         """Wait for the batch's confirms (``wait``): one result per row."""
         claim = published.claim
         if published.results is None:
-            try:
-                published.results = self.backend.wait()
-            except BrokerUnavailable as exc:
-                self.release(claim.token, claim.rows, f"broker unavailable: {exc}")
-                raise BrokerOutage(str(exc)) from exc
-            except Exception as exc:
-                published.results = self._backend_error(claim, exc)
+            published.results = self._call_backend(claim, self.backend.wait)
+        assert published.results is not None
         if len(published.results) != len(claim.rows):
             raise RuntimeError(
                 f"{type(self.backend).__name__}.publish() returned {len(published.results)} "
@@ -242,6 +231,19 @@ class Relay:
                 "event."
             )
         return published
+
+    def _call_backend(
+        self, claim: _Claim, call: Callable[..., list[PublishResult] | None], *args: Any
+    ) -> list[PublishResult] | None:
+        """``call(*args)``; a broker that cannot be reached: the claim is released and
+        BrokerOutage raised; any other error fails every row of the claim."""
+        try:
+            return call(*args)
+        except BrokerUnavailable as exc:
+            self.release(claim.token, claim.rows, f"broker unavailable: {exc}")
+            raise BrokerOutage(str(exc)) from exc
+        except Exception as exc:
+            return self._backend_error(claim, exc)
 
     def _backend_error(self, claim: _Claim, exc: Exception) -> list[PublishResult]:
         # A bug or an unexpected library error: count it against the rows (they may be what
@@ -569,7 +571,7 @@ class Relay:
         total = PassResult()
         if self._worker is None and self._can_use_a_thread():
             # One worker (and database connection) for every drain of this run, not one each.
-            self._worker = ThreadDbWorker(f"outbox-{self.job}-db")
+            self._worker = self._new_worker()
         logger.info(
             "[%s] relay started: backend=%s batch_size=%d interval=%ss wake=%s",
             self.job,
@@ -630,11 +632,14 @@ class Relay:
         if not self._can_use_a_thread():
             yield INLINE
             return
-        worker = ThreadDbWorker(f"outbox-{self.job}-db")
+        worker = self._new_worker()
         try:
             yield worker
         finally:
             worker.close()
+
+    def _new_worker(self) -> ThreadDbWorker:
+        return ThreadDbWorker(f"outbox-{self.job}-db")
 
     def _can_use_a_thread(self) -> bool:
         if not (self.db_thread if self.db_thread is not None else outbox_settings.DB_THREAD):
