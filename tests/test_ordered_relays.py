@@ -36,6 +36,7 @@ from django.utils import timezone
 from django_outbox.models import OutboxEvent, Status
 from tests.consumer_utils import Broker, private_broker
 from tests.ordered_settings import ROUTABLE
+from tests.utils.proxy import TcpProxy
 from tests.utils.subprocess import django_env, manage_command
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -126,6 +127,7 @@ def relays(
     ordered: bool,
     lease: float = 60.0,
     db_thread: bool = True,
+    amqp_url: str | None = None,
 ) -> Iterator[Relays]:
     env = django_env(
         DJANGO_SETTINGS_MODULE="tests.ordered_settings",
@@ -133,7 +135,7 @@ def relays(
         ORDERED_TEST_LEASE=str(lease),
         ORDERED_TEST_DB_THREAD="1" if db_thread else "0",
         OUTBOX_ORDERED="1" if ordered else "0",
-        AMQP_URL=broker.url,
+        AMQP_URL=amqp_url or broker.url,
     )
     command = manage_command("publish_outbox", "--interval", "0.2", "-v", "2")
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -317,18 +319,25 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
     """SIGSTOP a relay holding heads; others take them over; SIGCONT: its publish is stale.
 
     The frozen relay runs alone at first, so every leased row is its own when it stops.
-    The freeze must land between two of its transactions, so it does its database work on
-    its own thread (OUTBOX_DB_THREAD off): with the claim and settle threads of a draining
-    relay one of them is nearly always inside one. Tries a few milliseconds apart.
+    The freeze must land between two of its transactions (a row lock held by a frozen
+    process is not a lease others can take over): it does its database work on its own
+    thread (OUTBOX_DB_THREAD off), and its broker connection goes through a proxy that
+    holds the confirms back, so it soon sits waiting for them with no transaction open.
     """
     aggregates, events, lease = 100, 20, 4.0
     write_backlog(aggregates, events, fail_first=0.0)
     total = aggregates * events
     rng = random.Random(5)
-    with relays(broker, tmp_path, count=1, ordered=True, lease=lease, db_thread=False) as frozen:
+    proxy, url = TcpProxy.for_url(broker.url)
+    with (
+        relays(
+            broker, tmp_path, count=1, ordered=True, lease=lease, db_thread=False, amqp_url=url
+        ) as frozen,
+    ):
         held: dict[int, str] = {}
+        wait_until(lambda: bool(leased_rows()), timeout=60, what="a claim", group=frozen)
+        proxy.pause()
         for _attempt in range(400):
-            wait_until(lambda: bool(leased_rows()), timeout=60, what="a claim", group=frozen)
             frozen.signal(0, signal.SIGSTOP)
             held = leased_rows()
             if held and nothing_locked():
@@ -336,6 +345,7 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
             held = {}
             frozen.signal(0, signal.SIGCONT)
             time.sleep(rng.uniform(0, 0.02))
+        proxy.resume()  # its confirms wait in its socket until it runs again
         assert held, "never caught the relay holding a lease"
         with relays(broker, tmp_path / "others", count=2, ordered=True, lease=lease) as others:
             wait_until(
@@ -358,6 +368,7 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
                 what="the resumed relay's fenced settle",
                 group=frozen,
             )
+    proxy.close()
     deliveries = read_queue(broker)
     assert_in_order_and_complete(deliveries)
     held_events = set(OutboxEvent.objects.filter(pk__in=held).values_list("event_id", flat=True))
