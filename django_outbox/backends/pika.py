@@ -87,7 +87,6 @@ class PikaBackend(AmqpBackend):
         self._open_error: str = ""  # why the connection/channel could not be opened
         self._blocked = False  # connection.blocked received (memory or disk alarm)
         self._next_tag = 1  # delivery tag of the next publish on this channel
-        self._done: Callable[[], bool] | None = None  # stop the loop once this is true
 
         # Batches written and not yet collected by wait(), oldest first (see _Batch).
         self._inflight: deque[_Batch] = deque()
@@ -165,6 +164,7 @@ class PikaBackend(AmqpBackend):
         params = self._parameters()
         if self._ioloop is None:
             self._ioloop = IOLoop()
+            self._ioloop.activate_poller()  # for as long as the loop lives: see _run()
         self._ready = False
         self._open_error = ""
         if self._connection is not None and self._connection.is_open:
@@ -244,7 +244,6 @@ class PikaBackend(AmqpBackend):
 
     def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
         self._open_error = _describe(error)
-        self._wake()
 
     def _on_connection_closed(self, connection: SelectConnection, error: Exception) -> None:
         if connection is not self._connection:
@@ -252,7 +251,7 @@ class PikaBackend(AmqpBackend):
         self._channel = None
         self._ready = False
         if isinstance(error, pika.exceptions.ConnectionClosedByClient):
-            return self._wake()
+            return
         reason = _describe(error)
         if not self._inflight and not self._open_error:
             self._open_error = f"connection closed: {reason}"
@@ -281,7 +280,6 @@ class PikaBackend(AmqpBackend):
 
     def _on_exchange_ok(self, frame: Method) -> None:
         self._ready = True
-        self._wake()
 
     def _on_channel_closed(self, channel: Channel, error: Exception) -> None:
         if channel is not self._channel:
@@ -313,38 +311,39 @@ class PikaBackend(AmqpBackend):
         self._blocked = False
         logger.info("RabbitMQ unblocked the connection to %s", self.masked_url)
 
-    # -- running the I/O loop --------------------------------------------------------------
+    # -- running the I/O loop ---------------------------------------------------------------
+    # The loop is turned by hand (poll, then due timers and callbacks) rather than with
+    # IOLoop.start()/stop(): start() builds and registers a new epoll object each time and
+    # stop() writes to a wake-up socket, a handful of system calls per turn, and the relay
+    # turns the loop several times per batch.
     def _run(self, done: Callable[[], bool], timeout: float) -> bool:
         """Run pika's I/O loop on this thread until ``done()`` or ``timeout`` seconds."""
         ioloop = self._ioloop
         if ioloop is None:
             return done()
         deadline = time.monotonic() + timeout
-        while not done():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._done = done
-            timer = ioloop.call_later(remaining, ioloop.stop)
-            try:
-                ioloop.start()
-            finally:
-                ioloop.remove_timeout(timer)
-                self._done = None
+        # Bounds each poll's wait: without a timer due sooner, pika polls for up to 5 s.
+        timer = ioloop.call_later(max(timeout, 0.0), _nothing)
+        try:
+            while not done():
+                if time.monotonic() >= deadline:
+                    return False
+                ioloop.poll()
+                ioloop.process_timeouts()
+        finally:
+            ioloop.remove_timeout(timer)
         return True
 
-    def _wake(self) -> None:
-        if self._done is not None and self._done() and self._ioloop is not None:
-            self._ioloop.stop()
-
     def _poll(self) -> None:
-        """Handle whatever arrived while idle (a close, a blocked notice, heartbeats)."""
+        """Handle whatever has arrived (confirms, a close, a blocked notice, heartbeats)
+        without waiting."""
         ioloop = self._ioloop
         if ioloop is None or self._connection is None:
             return
-        timer = ioloop.call_later(0, ioloop.stop)
+        timer = ioloop.call_later(0, _nothing)  # a poll that does not wait
         try:
-            ioloop.start()
+            ioloop.poll()
+            ioloop.process_timeouts()
         finally:
             ioloop.remove_timeout(timer)
 
@@ -496,7 +495,6 @@ class PikaBackend(AmqpBackend):
         for batch in self._inflight:
             if not batch.lost:
                 batch.lost = reason
-        self._wake()
 
     def _on_confirm(self, frame: Method) -> None:
         method = frame.method
@@ -510,8 +508,6 @@ class PikaBackend(AmqpBackend):
             elif tag < batch.base_tag + len(batch.positions):
                 batch.confirm_up_to(tag, nacked, only=True)
                 break
-        if self._inflight and self._inflight[0].done:
-            self._wake()
 
     def _on_return(
         self,
@@ -630,6 +626,10 @@ class _Batch:
             if self.results[index] is None:
                 self.results[index] = failure
                 self.unsettled -= 1
+
+
+def _nothing() -> None:
+    """A timer's callback that only bounds how long the I/O loop waits."""
 
 
 def _describe(error: Any) -> str:
