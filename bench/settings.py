@@ -8,6 +8,9 @@ import os
 
 from config.settings import *  # noqa: F403
 
+# As deployed: with DEBUG on, Django records every query (SQL and parameters formatted),
+# which is not what a production relay spends its time on.
+DEBUG = False
 OUTBOX_BACKEND = "django_outbox.backends.pika.PikaBackend"
 OUTBOX_BROKER_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 OUTBOX_EXCHANGE = os.environ.get("BENCH_EXCHANGE", "outbox")
