@@ -290,7 +290,7 @@ class Relay:
             if sent:
                 # By primary key: the token alone would have the database read every
                 # PENDING row (no index has it) to find this batch's.
-                n = held.filter(pk__in=[r.pk for r in sent]).update(
+                n = held.with_ids([r.pk for r in sent]).update(
                     status=Status.SENT, sent_at=DbNow(), lease_token=""
                 )
                 result.sent = n
@@ -305,7 +305,7 @@ class Relay:
             if failed or lost:
                 # Failures are rare: lock what is still ours so alerts and counts are exact.
                 ours = set(
-                    held.filter(pk__in=[r.pk for r, _ in failed + lost])
+                    held.with_ids([r.pk for r, _ in failed + lost])
                     .select_for_update()
                     .values_list("pk", flat=True)
                 )
@@ -375,7 +375,7 @@ class Relay:
         changes: dict[str, Any] = {"next_retry_time": DbNow(), "lease_token": ""}
         if error is not None:
             changes["last_error"] = error[:MAX_ERROR_LENGTH]
-        return self.queryset().held_by(token).filter(pk__in=[r.pk for r in rows]).update(**changes)
+        return self.queryset().held_by(token).with_ids([r.pk for r in rows]).update(**changes)
 
     def release(self, token: str, rows: Sequence[OutboxEvent], error: str) -> int:
         """Give claimed rows back, due at once, without counting an attempt."""

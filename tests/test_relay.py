@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection
@@ -15,6 +16,7 @@ from django_outbox import outbox
 from django_outbox.backends import locmem
 from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
+from django_outbox.querysets import CLAIM_FIELDS
 from django_outbox.relay import BrokerOutage, Relay
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
 
@@ -250,6 +252,51 @@ def test_settle_uses_few_statements():
         relay.settle(token, rows, [PublishResult.sent()] * 100)
     writes = [q for q in queries.captured_queries if q["sql"].upper().startswith("UPDATE")]
     assert len(writes) == 1
+
+
+def test_claimed_rows_are_what_loading_them_gives():
+    """The claim builds its rows without Model.__init__: same values and types as a query,
+    on a fresh connection too (its type loaders are set up anew), the rest deferred."""
+    with outbox.atomic() as box:
+        box.emit(
+            "E",
+            payload={"total": Decimal("9.90"), "items": [1, "two"], "ünï": None},
+            headers={"tenant": "t-1"},
+            aggregate_type="orders.Order",
+            aggregate_id=7,
+        )
+    connection.close()
+    _token, (row,) = make_relay().claim(10)
+    loaded = OutboxEvent.objects.get(pk=row.pk)
+    for name in CLAIM_FIELDS:
+        assert getattr(row, name) == getattr(loaded, name), name
+        assert type(getattr(row, name)) is type(getattr(loaded, name)), name
+    assert row.occurred_at.tzinfo is not None and row.created_at.tzinfo is not None
+    assert row.payload == {"total": "9.90", "items": [1, "two"], "ünï": None}
+    assert row._state.db == "default" and not row._state.adding
+    assert row.get_deferred_fields() == {"next_retry_time", "last_error", "sent_at", "updated_at"}
+    assert row.next_retry_time == loaded.next_retry_time  # a deferred column loads on access
+    row.last_error = "edited"
+    row.save(update_fields=["last_error"])
+    assert OutboxEvent.objects.get(pk=row.pk).last_error == "edited"
+
+
+def test_with_ids_selects_exactly_those_rows():
+    events = emit_many(5)
+    chosen = [events[0].pk, events[3].pk, 10**12]  # an id that does not exist
+    qs = OutboxEvent.objects.with_ids(chosen)
+    assert sorted(qs.values_list("pk", flat=True)) == [events[0].pk, events[3].pk]
+    assert OutboxEvent.objects.with_ids([]).count() == 0
+    assert qs.update(last_error="x") == 2
+
+
+def test_with_ids_sends_one_array_on_postgresql():
+    """The settle's statement does not grow with the batch: psycopg caches it parsed."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL only: other databases get pk__in")
+    sql, params = OutboxEvent.objects.with_ids(list(range(1, 501))).query.sql_with_params()
+    assert "= ANY(%s)" in sql
+    assert len(params) == 1 and list(params[0]) == list(range(1, 501))
 
 
 def test_backend_bug_counts_as_a_failed_attempt():
