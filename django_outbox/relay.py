@@ -449,6 +449,12 @@ class Relay:
             claimed += len(batch.rows)
             return batch
 
+        def again(stale: _Claim) -> _Claim:
+            """Claim afresh in place of ``stale`` (given back): within max_events too."""
+            nonlocal claimed
+            claimed -= len(stale.rows)
+            return claim()
+
         def settled(future: Future[PassResult]) -> PassResult:
             try:
                 result = future.result()
@@ -473,7 +479,7 @@ class Relay:
                             ahead = _done(batch)  # given back below
                             break
                         if batch.rows:
-                            batch = self._fresh(batch)
+                            batch = self._fresh(batch, again)
                         if not batch.rows:
                             break
                         if batch.full:
@@ -543,8 +549,9 @@ class Relay:
                     notify_dead(total.dead_events)
         return total
 
-    def _fresh(self, claim: _Claim) -> _Claim:
-        """``claim`` if its lease still covers a full confirm wait, else a new claim.
+    def _fresh(self, claim: _Claim, again: Callable[[_Claim], _Claim]) -> _Claim:
+        """``claim`` if its lease still covers a full confirm wait, else it is given back
+        and ``again(claim)`` claims in its place.
 
         A batch claimed ahead waits for the previous batch's confirms before it is sent;
         sent with too little lease left, another relay could take it over while its own
@@ -554,7 +561,7 @@ class Relay:
         if time.monotonic() - claim.at < self.lease_seconds - timeout - LEASE_MARGIN:
             return claim
         self.give_back(claim)
-        return self._claim(claim.limit)
+        return again(claim)
 
     def run(
         self,

@@ -491,6 +491,31 @@ def test_a_batch_claimed_ahead_too_long_ago_is_claimed_again():
     assert not OutboxEvent.objects.exclude(lease_token="").exists()
 
 
+def test_a_batch_claimed_again_keeps_within_max_events():
+    """The compensator's max_events holds when a batch is claimed afresh and more rows
+    have come due since its first claim (a killed relay's leases running out)."""
+    emit_many(80)
+    later = timezone.now() + timedelta(minutes=5)
+    leased = list(OutboxEvent.objects.order_by("id").values_list("pk", flat=True)[10:])
+    OutboxEvent.objects.filter(pk__in=leased).update(next_retry_time=later)
+
+    class SlowConfirms(locmem.LocmemBackend):
+        confirm_timeout = 5.0  # with a 10 s lease: every batch is claimed again
+
+    relay = make_relay(backend=SlowConfirms(), batch_size=50, lease_seconds=10, db_thread=False)
+    claim = relay.claim
+
+    def leases_run_out(limit):
+        token, rows = claim(limit)
+        OutboxEvent.objects.filter(pk__in=leased).update(next_retry_time=timezone.now())
+        return token, rows
+
+    relay.claim = leases_run_out
+    result = relay.drain(max_events=50)
+    assert (result.found, result.sent) == (50, 50)
+    assert OutboxEvent.objects.sent().count() == 50
+
+
 def test_default_backend_send_then_wait_is_publish_in_order():
     first, second = emit_many(2)
     backend = locmem.LocmemBackend()
