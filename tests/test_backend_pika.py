@@ -20,7 +20,7 @@ from django.test import override_settings
 
 from django_outbox.backends import get_backend
 from django_outbox.backends.base import BrokerUnavailable, Reason
-from django_outbox.backends.pika import PikaBackend, mask_url
+from django_outbox.backends.pika import FLUSH_EVERY, PikaBackend, mask_url
 from django_outbox.checks import Codes
 from django_outbox.models import OutboxEvent
 from tests.utils.proxy import TcpProxy
@@ -189,6 +189,32 @@ def test_unroutable_is_a_failure_even_though_the_broker_acks_it(broker: Broker) 
     assert {results[2].reason, results[3].reason} == {Reason.UNROUTABLE}
     assert "312 NO_ROUTE" in results[2].error
     assert len(broker.get_all(queue, 3)) == 3
+
+
+def test_a_batch_reaches_the_socket_in_a_few_writes(broker: Broker, monkeypatch) -> None:
+    """pika writes each frame on its own, three per message; the backend hands the
+    transport one write per flush point instead (a system call each)."""
+    queue = broker.queue("#")
+    rows = make_rows(200)
+    backend = backend_for(broker)
+    backend.open()
+    try:
+        transport = backend._connection._transport
+        write = transport.write
+        sizes: list[int] = []
+
+        def counting(data: bytes) -> None:
+            sizes.append(len(data))
+            write(data)
+
+        monkeypatch.setattr(transport, "write", counting)
+        results = backend.publish(rows)
+    finally:
+        backend.close()
+    assert [r.ok for r in results] == [True] * 200
+    assert len(broker.get_all(queue, 200)) == 200
+    assert len(sizes) <= 200 // FLUSH_EVERY + 2  # + the channel close at the end
+    assert sum(sizes) > 200 * 100  # the messages themselves went through these writes
 
 
 def test_batches_in_flight_together_are_collected_in_order(broker: Broker) -> None:
