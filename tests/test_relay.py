@@ -359,6 +359,21 @@ def test_compensate_outbox_command_sends_stale_rows_and_exits_1_on_a_failure():
     assert list(OutboxEvent.objects.sent().values_list("id", flat=True)) == [stale[1]]
 
 
+def test_publish_outbox_warns_when_debug_is_on(settings, caplog):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    emit_many(1)
+    for debug in (False, True):
+        settings.DEBUG = debug
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="django_outbox.relay"):
+            call_command("publish_outbox", "--once", stdout=StringIO())
+        assert ("DEBUG is on" in caplog.text) is debug
+    assert OutboxEvent.objects.sent().count() == 1
+
+
 # -- the pipelined drain -----------------------------------------------------------------------
 class Observing(locmem.LocmemBackend):
     """Records, each time the relay waits for confirms, what the database holds."""

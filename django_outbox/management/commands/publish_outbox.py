@@ -6,6 +6,7 @@ import logging
 import threading
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ...backends import get_backend
@@ -15,6 +16,8 @@ from ...relay import BrokerOutage, Relay, relay_signals
 from ..options import duration, port, positive_int
 
 VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
+
+logger = logging.getLogger("django_outbox.relay")
 
 
 def configure_logging(verbosity: int) -> None:
@@ -72,6 +75,12 @@ class Command(BaseCommand):
         **options: Any,
     ) -> None:
         configure_logging(verbosity)
+        if settings.DEBUG:
+            logger.warning(
+                "DEBUG is on: Django records every query the relay makes, which costs it a "
+                "good part of its throughput (see docs/benchmarks.md). Run the relay with "
+                "DEBUG = False in production."
+            )
         try:
             relay = Relay(
                 backend=get_backend(), batch_size=batch_size, heartbeat_file=heartbeat_file
