@@ -271,10 +271,14 @@ def last_sent_at() -> float:
 def clear_outbox(amqp_url: str, queue: str) -> None:
     """Empty the table and the bench queue so every run starts alike."""
     import pika
+    from django.db import connection
 
     from django_outbox.models import OutboxEvent
 
-    OutboxEvent.objects.all().delete()
+    # TRUNCATE, not DELETE: deleted rows stay in the table and its indexes as dead tuples
+    # until a vacuum, and each run would claim through more of them than the one before.
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE TABLE {connection.ops.quote_name(OutboxEvent._meta.db_table)}")
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
         connection.channel().queue_purge(queue)
