@@ -5,9 +5,12 @@ No database, no Django, no outbox code: a SelectConnection publisher (confirm mo
 same JSON body size as an outbox event) to a durable queue. It keeps up to ``window``
 messages in flight and counts them done when acked, exactly what a relay could at best do.
 ``batch_size`` makes it publish in batches and wait for each batch's confirms instead, as a
-relay pass does.
+relay pass does. ``coalesce`` writes the frames of each refill to the socket in one piece,
+as ``PikaBackend`` does, instead of pika's one ``send()`` per frame: not how pika is
+usually used, so not the baseline, but what a publisher tuned the same way achieves.
 
-    python -m bench.raw_pika [--smoke] [--count 20000] [--batch-size 100] [--repeat 3]
+    python -m bench.raw_pika [--smoke] [--count 20000] [--batch-size 100] [--coalesce]
+        [--repeat 3]
 
 ``relay_bench`` and ``backend_bench`` import :func:`raw_pika_rate` for their ratio.
 """
@@ -47,9 +50,16 @@ def sample_body() -> bytes:
 
 class _Publisher:
     def __init__(
-        self, url: str, exchange: str, count: int, window: int, batch_size: int | None
+        self,
+        url: str,
+        exchange: str,
+        count: int,
+        window: int,
+        batch_size: int | None,
+        coalesce: bool = False,
     ) -> None:
         self.exchange = exchange
+        self.coalesce = coalesce
         self.count = count
         self.window = window
         self.batch_size = batch_size
@@ -105,6 +115,20 @@ class _Publisher:
             limit = min(self.count, self.published + self.batch_size)
         else:
             limit = min(self.count, self.confirmed + self.window)
+        frames: list[bytes] = []
+        if self.coalesce and self.published < limit:
+            # Gather what pika would write frame by frame (an instance attribute shadows
+            # the method until deleted below).
+            self.connection._adapter_emit_data = frames.append
+        try:
+            self._publish_up_to(limit)
+        finally:
+            if self.coalesce and "_adapter_emit_data" in vars(self.connection):
+                del self.connection._adapter_emit_data
+                if frames:
+                    self.connection._adapter_emit_data(b"".join(frames))
+
+    def _publish_up_to(self, limit: int) -> None:
         publish = self.channel.basic_publish
         while self.published < limit:
             self.published += 1
@@ -140,31 +164,41 @@ def raw_pika_rate(
     exchange: str | None = None,
     window: int = DEFAULT_WINDOW,
     batch_size: int | None = None,
+    coalesce: bool = False,
 ) -> float:
     """Events/s of plain pika publishing ``count`` messages with pipelined confirms.
 
     ``exchange`` must route to a durable queue; by default a temporary one is made (and
     deleted). ``window``: messages in flight at most (streaming); ``batch_size``: publish in
-    batches and wait for each batch's confirms instead.
+    batches and wait for each batch's confirms instead; ``coalesce``: one socket write per
+    refill instead of one per frame.
     """
     if exchange is None:
         with bench_exchange(url, prefix="bench.raw") as name:
-            return _Publisher(url, name, count, window, batch_size).run()
-    return _Publisher(url, exchange, count, window, batch_size).run()
+            return _Publisher(url, name, count, window, batch_size, coalesce).run()
+    return _Publisher(url, exchange, count, window, batch_size, coalesce).run()
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="messages in flight")
     p.add_argument("--batch-size", type=int, default=None, help="wait per batch instead")
+    p.add_argument("--coalesce", action="store_true", help="one socket write per refill")
     args = p.parse_args()
     count = count_from(args)
     print(f"body {len(sample_body())} bytes, {count} messages, {mask_url(args.url)}")
     rate = best_of(
         args.repeat,
-        lambda: raw_pika_rate(count, url=args.url, window=args.window, batch_size=args.batch_size),
+        lambda: raw_pika_rate(
+            count,
+            url=args.url,
+            window=args.window,
+            batch_size=args.batch_size,
+            coalesce=args.coalesce,
+        ),
     )
     mode = f"batches of {args.batch_size}" if args.batch_size else f"window {args.window}"
+    mode += ", coalesced writes" if args.coalesce else ""
     report(f"raw pika ({mode})", rate, count=count)
 
 
