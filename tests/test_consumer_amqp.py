@@ -14,6 +14,7 @@ from django_outbox.consumer import Consumer, Outcome
 from points.models import PointsLedger
 from tests.consumer_utils import make_event, private_broker
 from tests.utils.subprocess import django_env, manage_command
+from tests.utils.threads import db_thread
 from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
@@ -125,7 +126,7 @@ def test_thousand_events_with_redeliveries_exactly_once(broker, db_vendor):
     def consume():
         results.append(make_consumer(broker, prefetch=20).run(until_idle=True))
 
-    threads = [threading.Thread(target=consume) for _ in range(2)]
+    threads = [db_thread(consume) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -227,7 +228,7 @@ def test_reconnects_after_the_connection_is_lost(broker):
         )
         stop = threading.Event()
         results = []
-        thread = threading.Thread(target=lambda: results.append(consumer.run(stop=stop)))
+        thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
         thread.start()
         assert wait_for(lambda: consumer._channel is not None)
         first, second = make_event(pk=1), make_event(pk=2)

@@ -19,6 +19,7 @@ from django_outbox.models import OutboxEvent, Status
 from django_outbox.querysets import CLAIM_FIELDS
 from django_outbox.relay import BrokerOutage, Relay
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
+from tests.utils.threads import db_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -315,7 +316,7 @@ def test_run_stops_on_event_and_beats(tmp_path):
     stop = threading.Event()
     heartbeat = tmp_path / "hb" / "beat"
     relay = make_relay(heartbeat_file=str(heartbeat))
-    thread = threading.Thread(target=relay.run, kwargs={"stop": stop, "interval": 0.05})
+    thread = db_thread(relay.run, stop=stop, interval=0.05)
     thread.start()
     try:
         for _ in range(100):
