@@ -126,8 +126,8 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             if connections[self.db].vendor == "postgresql":
                 rows = self._lease_returning(locked, lease_seconds, token)
             else:
-                select, params = locked.values_list(*CLAIM_FIELDS).query.sql_with_params()
-                rows = self._fetch_rows(select, params)
+                query = locked.values_list(*CLAIM_FIELDS).query
+                rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
                 if rows:
                     self.model._default_manager.using(self.db).with_ids(
                         [row.pk for row in rows]
