@@ -47,9 +47,9 @@ class _AnyOf(models.Lookup):
     lookup_name = "any_of"
     prepare_rhs = False
 
-    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, list[Any]]:
+    def as_sql(self, compiler: Any, connection: Any) -> Any:
         lhs, lhs_params = self.process_lhs(compiler, connection)
-        return f"{lhs} = ANY(%s)", [*lhs_params, self.rhs]
+        return f"{lhs} = ANY(%s)", (*lhs_params, self.rhs)
 
 
 class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
@@ -172,7 +172,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             records = cursor.fetchall()
         if not records:
             return []
-        fields = [model._meta.get_field(name) for name in CLAIM_FIELDS]
+        fields: list[Any] = [model._meta.get_field(name) for name in CLAIM_FIELDS]
         attnames = [field.attname for field in fields]
         converters = []
         for index, field in enumerate(fields):
@@ -182,7 +182,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             )
             if functions:
                 converters.append((index, functions, column))
-        rows = []
+        rows: list[OutboxEvent] = []
         for record in records:
             values = list(record)
             for index, functions, column in converters:
