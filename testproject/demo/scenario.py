@@ -511,6 +511,8 @@ class Demo:
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         env = dict(os.environ)
         env.update(PYTHONUNBUFFERED="1", **(extra_env or {}))
+        # The relay and consumers run as deployed (publish_outbox warns about DEBUG).
+        env.setdefault("DEBUG", "False")
         echo = self.verbosity >= 2
         args = [*args, "--verbosity", "2" if echo else "0"]
         return Child(name, args, env=env, workdir=self.workdir, echo=echo)
