@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connections
 
 from django_outbox.models import OutboxEvent, Status
 from tests.conftest import IN_CI
@@ -54,6 +55,11 @@ def browser_page(monkeypatch):
             yield page
         finally:
             browser.close()
+            # While Playwright's sync API has an event loop on this thread, Django keeps
+            # connections per async context rather than per thread: the test's queries got
+            # a connection of their own that the test database's teardown does not see,
+            # and PostgreSQL refused to drop a database still in use.
+            connections.close_all()
 
 
 @pytest.fixture
