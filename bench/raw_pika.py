@@ -115,18 +115,19 @@ class _Publisher:
             limit = min(self.count, self.published + self.batch_size)
         else:
             limit = min(self.count, self.confirmed + self.window)
+        if not self.coalesce:
+            self._publish_up_to(limit)
+            return
+        # Gather what pika would write frame by frame: an instance attribute shadows the
+        # method until it is deleted again.
         frames: list[bytes] = []
-        if self.coalesce and self.published < limit:
-            # Gather what pika would write frame by frame (an instance attribute shadows
-            # the method until deleted below).
-            self.connection._adapter_emit_data = frames.append
+        self.connection._adapter_emit_data = frames.append
         try:
             self._publish_up_to(limit)
         finally:
-            if self.coalesce and "_adapter_emit_data" in vars(self.connection):
-                del self.connection._adapter_emit_data
-                if frames:
-                    self.connection._adapter_emit_data(b"".join(frames))
+            del self.connection._adapter_emit_data
+            if frames:
+                self.connection._adapter_emit_data(b"".join(frames))
 
     def _publish_up_to(self, limit: int) -> None:
         publish = self.channel.basic_publish

@@ -279,11 +279,11 @@ def clear_outbox(amqp_url: str, queue: str) -> None:
     # until a vacuum, and each run would claim through more of them than the one before.
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE TABLE {connection.ops.quote_name(OutboxEvent._meta.db_table)}")
-    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    broker = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
-        connection.channel().queue_purge(queue)
+        broker.channel().queue_purge(queue)
     finally:
-        connection.close()
+        broker.close()
 
 
 def warm_up(relay: RelayChild) -> None:
