@@ -481,13 +481,17 @@ def test_inside_a_transaction_the_relay_stays_on_its_thread():
     assert make_relay(db_thread=True).drain().sent == 3
 
 
+class SlowConfirms(locmem.LocmemBackend):
+    """With a lease of 10 s, no claim leaves room for a 5 s confirm wait (and the margin):
+    the relay claims every batch again right before it sends it."""
+
+    confirm_timeout = 5.0
+
+
 def test_a_batch_claimed_ahead_too_long_ago_is_claimed_again():
     """Sent with less lease left than a confirm wait, another relay could take it over
     while its confirms are still coming: it is given back and claimed afresh."""
     emit_many(250)
-
-    class SlowConfirms(locmem.LocmemBackend):
-        confirm_timeout = 5.0  # with a 10 s lease: no claim made ahead is fresh enough
 
     relay = make_relay(backend=SlowConfirms(), batch_size=100, lease_seconds=10, db_thread=False)
     claims = []
@@ -514,9 +518,6 @@ def test_a_batch_claimed_again_keeps_within_max_events():
     later = timezone.now() + timedelta(minutes=5)
     leased = list(OutboxEvent.objects.order_by("id").values_list("pk", flat=True)[10:])
     OutboxEvent.objects.filter(pk__in=leased).update(next_retry_time=later)
-
-    class SlowConfirms(locmem.LocmemBackend):
-        confirm_timeout = 5.0  # with a 10 s lease: every batch is claimed again
 
     relay = make_relay(backend=SlowConfirms(), batch_size=50, lease_seconds=10, db_thread=False)
     claim = relay.claim
