@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.db import DEFAULT_DB_ALIAS, router, transaction
-from django.db.models import QuerySet
 
 from .conf import outbox_settings
 from .db import DbNow
 from .exceptions import OutboxError
 from .models import OutboxEvent, Status
+from .querysets import OutboxEventQuerySet
 
 #: Below this retention purge() refuses unless ``force=True``: the article keeps sent rows
 #: at least 3 days so an incident can still be investigated from the table.
@@ -98,7 +98,7 @@ def purge(
     return result
 
 
-def _delete_in_batches(old: QuerySet[OutboxEvent], db: str, size: int, result: PurgeResult) -> int:
+def _delete_in_batches(old: OutboxEventQuerySet, db: str, size: int, result: PurgeResult) -> int:
     deleted = 0
     last_id = 0
     while True:
@@ -111,8 +111,8 @@ def _delete_in_batches(old: QuerySet[OutboxEvent], db: str, size: int, result: P
             )
             if not ids:
                 break
-            # Nothing references outbox rows, so this is one DELETE ... WHERE id IN (...).
-            count, _ = old.filter(pk__in=ids).delete()
+            # Nothing references outbox rows, so this is one DELETE of these ids.
+            count, _ = old.with_ids(ids).delete()
         result.batches += 1
         deleted += count
         last_id = ids[-1]

@@ -211,7 +211,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             return
         base = self.model._default_manager.using(self.db).all()
         previous = dict(
-            base.filter(pk__in=ids)
+            base.with_ids(ids)
             .annotate(previous=models.Subquery(ordering.previous_sent(base, ordered)))
             .values_list("pk", "previous")
         )
