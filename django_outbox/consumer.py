@@ -39,7 +39,7 @@ from django.utils.translation import gettext_lazy as _
 
 from .conf import outbox_settings
 from .db import tidy_connections
-from .exceptions import OutboxError
+from .exceptions import OutboxError, error_text
 from .message import ReceivedEvent, UndecodableMessage, decode
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ logger = logging.getLogger("django_outbox.consumer")
 # Header a classic queue's consumer keeps its own delivery count in (quorum queues count
 # redeliveries themselves in x-delivery-count).
 DELIVERY_HEADER = "x-outbox-delivery"
-MAX_ERROR_LENGTH = 2000
 
 
 class ImproperlyConfiguredHandler(OutboxError):
@@ -289,7 +288,7 @@ class IdempotentHandler:
             event.event_id,
             event.attempt,
         )
-        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
+        error = error_text(exc)
         return HandlerResult(Outcome.FAILED, error=error, **result)
 
 

@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+#: An error's text is cut to this many characters where it is stored (an outbox row's
+#: ``last_error``, a consumer's dead-letter header): a traceback-sized message must not
+#: bloat every row or header that records it.
+MAX_ERROR_LENGTH = 2000
+
+
+def error_text(error: BaseException | str) -> str:
+    """``error`` as it is recorded: ``"Type: message"`` for an exception, cut to
+    :data:`MAX_ERROR_LENGTH` characters."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return text[:MAX_ERROR_LENGTH]
+
 
 class OutboxError(Exception):
     """Base class of every django_outbox error."""

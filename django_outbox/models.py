@@ -7,14 +7,9 @@ from django.db import models
 from django.utils.translation import gettext_lazy as _
 
 from .querysets import OutboxEventQuerySet
+from .states import Status
 
-
-class Status(models.IntegerChoices):
-    """Row states; the numbers match the SQL people type during incidents."""
-
-    PENDING = 0, _("pending")
-    SENT = 1, _("sent")
-    DEAD = 2, _("dead")
+__all__ = ["AggregateSequence", "InboxMessage", "OutboxEvent", "Status"]
 
 
 class OutboxEvent(models.Model):

@@ -22,15 +22,13 @@ from typing import TYPE_CHECKING, Any
 from django.db.models import Max, Min, OuterRef, Q
 
 from .conf import outbox_settings
+from .states import Status
 
 if TYPE_CHECKING:
     from django.db.models import QuerySet
 
     from .models import OutboxEvent
     from .querysets import OutboxEventQuerySet
-
-# Plain ints, as in querysets.py (no import of models here).
-PENDING, SENT, DEAD = 0, 1, 2
 
 BLOCK, SKIP = "block", "skip"
 DEAD_HEAD_POLICIES = (BLOCK, SKIP)
@@ -77,7 +75,7 @@ def is_ordered(event: Any, ordered: Ordered | None = None) -> bool:
 
 def blocking_statuses(policy: str | None = None) -> tuple[int, ...]:
     policy = current_dead_head_policy() if policy is None else policy
-    return (PENDING,) if policy == SKIP else (PENDING, DEAD)
+    return (Status.PENDING,) if policy == SKIP else (Status.PENDING, Status.DEAD)
 
 
 def previous_sent(base: OutboxEventQuerySet, ordered: Ordered) -> QuerySet[OutboxEvent, Any]:
@@ -94,7 +92,7 @@ def previous_sent(base: OutboxEventQuerySet, ordered: Ordered) -> QuerySet[Outbo
         base.filter(
             aggregate_type=OuterRef("aggregate_type"),
             aggregate_id=OuterRef("aggregate_id"),
-            status=SENT,
+            status=Status.SENT,
             id__lt=OuterRef("id"),
         )
         .filter(q)
