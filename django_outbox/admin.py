@@ -6,11 +6,10 @@ find the dead letters, fix the cause, then *requeue* them or *mark* hopeless PEN
 DEAD. Both actions need the model's change permission; without it a user sees no actions
 and a crafted POST is refused by Django's own action validation.
 
-Requeue sets ``status=PENDING``, ``next_retry_time=now`` (database clock),
-``retry_count=0`` and clears ``lease_token``; it **keeps** ``last_error`` so the reason the
-row died stays visible until the next attempt overwrites it (on success the relay leaves it
-too, as history). Clearing the lease of a PENDING row that a relay is publishing right now
-fences that relay's settle: the row is published again, a duplicate consumers absorb.
+The actions call the outbox QuerySet's lifecycle methods
+(:meth:`~django_outbox.querysets.OutboxEventQuerySet.requeue` and
+:meth:`~django_outbox.querysets.OutboxEventQuerySet.mark_dead`), which say exactly what each
+changes; the admin writes no row state itself.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from . import ordering, stats
 from .conf import outbox_settings
 from .db import DbNow
 from .models import OutboxEvent, Status
+from .querysets import OutboxEventQuerySet
 from .stats import format_age
 
 #: last_error is cut to this many characters in the changelist; the detail page shows it all.
@@ -226,19 +226,9 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         description=_("Requeue selected dead or pending events (due now, retry count reset)"),
         permissions=["change"],
     )
-    def requeue(self, request: HttpRequest, queryset: QuerySet[OutboxEvent]) -> None:
+    def requeue(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> None:
         selected = queryset.count()
-        n = (
-            queryset.order_by()
-            .filter(status__in=[Status.PENDING, Status.DEAD])
-            .update(
-                status=Status.PENDING,
-                next_retry_time=DbNow(),
-                retry_count=0,
-                lease_token="",
-                updated_at=DbNow(),
-            )
-        )
+        n = queryset.requeue()
         self.message_user(
             request,
             ngettext(
@@ -252,13 +242,9 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         self._skipped(request, selected - n, _("already sent"))
 
     @admin.action(description=_("Mark selected pending events as dead"), permissions=["change"])
-    def mark_dead(self, request: HttpRequest, queryset: QuerySet[OutboxEvent]) -> None:
+    def mark_dead(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> None:
         selected = queryset.count()
-        n = (
-            queryset.order_by()
-            .filter(status=Status.PENDING)
-            .update(status=Status.DEAD, lease_token="", updated_at=DbNow())
-        )
+        n = queryset.mark_dead()
         self.message_user(
             request,
             ngettext(

@@ -26,10 +26,9 @@ from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, models, rou
 from django.utils import timezone
 
 from .conf import outbox_settings
-from .db import DbNow
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
 from .message import RESERVED_HEADERS
-from .models import OutboxEvent, Status
+from .models import OutboxEvent
 
 __all__ = ["Outbox", "atomic", "emit"]
 
@@ -175,7 +174,7 @@ def build_event(
     elif not isinstance(occurred_at, datetime):
         raise InvalidEvent(f"occurred_at must be a datetime, got {type(occurred_at).__name__}.")
 
-    return OutboxEvent(
+    return OutboxEvent.objects.new_pending(
         event_id=event_id,
         aggregate_type=agg_type,
         aggregate_id=agg_id,
@@ -185,11 +184,6 @@ def build_event(
         payload=json.loads(body),
         headers=header_values,
         occurred_at=occurred_at,
-        status=Status.PENDING,
-        retry_count=0,
-        # The database clock decides what is due: a fresh event is due at once.
-        next_retry_time=DbNow(),
-        created_at=DbNow(),
     )
 
 

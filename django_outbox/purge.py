@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.db import DEFAULT_DB_ALIAS, router, transaction
+from django.db import DEFAULT_DB_ALIAS, router
 
 from .conf import outbox_settings
 from .db import DbNow
 from .exceptions import OutboxError
 from .models import OutboxEvent, Status
-from .querysets import OutboxEventQuerySet
 
 #: Below this retention purge() refuses unless ``force=True``: the article keeps sent rows
 #: at least 3 days so an incident can still be investigated from the table.
@@ -90,32 +89,13 @@ def purge(
         old = OutboxEvent.objects.using(db).filter(
             status=status, created_at__lt=DbNow() - timedelta(days=days)
         )
-        count = old.count() if dry_run else _delete_in_batches(old, db, size, result)
+        if dry_run:
+            count = old.count()
+        else:
+            count, batches = old.delete_in_batches(size)
+            result.batches += batches
         if status == Status.SENT:
             result.sent = count
         else:
             result.dead = count
     return result
-
-
-def _delete_in_batches(old: OutboxEventQuerySet, db: str, size: int, result: PurgeResult) -> int:
-    deleted = 0
-    last_id = 0
-    while True:
-        with transaction.atomic(using=db):
-            # Walking up the id keeps every SELECT a short range scan, even if a row of
-            # the previous batch could not be deleted; the status filter is re-checked by
-            # the DELETE so a row that changed state meanwhile is left alone.
-            ids = list(
-                old.filter(pk__gt=last_id).order_by("pk").values_list("pk", flat=True)[:size]
-            )
-            if not ids:
-                break
-            # Nothing references outbox rows, so this is one DELETE of these ids.
-            count, _ = old.with_ids(ids).delete()
-        result.batches += 1
-        deleted += count
-        last_id = ids[-1]
-        if len(ids) < size:
-            break
-    return deleted

@@ -1,4 +1,22 @@
-"""Querysets that speak the outbox's domain: pending, due, stale, dead, claim."""
+"""Querysets that speak the outbox's domain, and the row's whole lifecycle.
+
+Reading: ``pending()``, ``due()``, ``stale()``, ``dead()``, ``blocked_aggregates()`` ...
+
+Writing: every transition of an outbox row is a method here, and no other module writes
+``status``, ``next_retry_time``, ``retry_count``, ``lease_token`` or ``last_error``::
+
+    emit()            claim()                    mark_sent()
+    ─────> PENDING ──────────> PENDING, leased ─────────────> SENT ──delete_in_batches()──>
+            ^   ^                  │       │
+            │   └─── release() ────┘       └─ mark_failed() ─> PENDING, due after a backoff,
+            │                                                  or DEAD past the last one
+            └──── requeue() ──── DEAD <── mark_dead() ── PENDING
+
+Each one stamps ``updated_at`` from the database clock. The transitions of a claimed row
+(``mark_sent``, ``mark_failed``, ``release``) are *fenced* on the claim's lease token
+through :meth:`OutboxEventQuerySet.held_by`: a relay that outlived its lease changes
+nothing that another relay has claimed or settled since.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, models, transaction
 from django.db.models.base import ModelState
 
+from . import ordering
 from .db import DbNow
+from .exceptions import error_text
+from .states import Status
 
 if TYPE_CHECKING:
     from .models import OutboxEvent
-
-# Plain ints so this module does not import models (models imports this module).
-PENDING, SENT, DEAD = 0, 1, 2
+    from .retry import RetryPolicy
 
 # What a claim loads: what a message is built from and a settle needs. The rest
 # (next_retry_time, last_error, sent_at, updated_at) is deferred: building the rows is a good
@@ -55,13 +74,13 @@ class _AnyOf(models.Lookup):
 class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
     def pending(self) -> OutboxEventQuerySet:
         """Not yet confirmed by the broker (including rows leased by a relay right now)."""
-        return self.filter(status=PENDING)
+        return self.filter(status=Status.PENDING)
 
     def sent(self) -> OutboxEventQuerySet:
-        return self.filter(status=SENT)
+        return self.filter(status=Status.SENT)
 
     def dead(self) -> OutboxEventQuerySet:
-        return self.filter(status=DEAD)
+        return self.filter(status=Status.DEAD)
 
     def due(self) -> OutboxEventQuerySet:
         """PENDING rows whose next_retry_time has passed, by the database clock."""
@@ -116,8 +135,6 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         backoff) or DEAD. A second statement reads each claimed head's
         ``previous_sequence`` for the consumers. Unordered rows skip both.
         """
-        from . import ordering
-
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered
         with transaction.atomic(using=self.db):
@@ -131,7 +148,11 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
                 if rows:
                     self.model._default_manager.using(self.db).with_ids(
                         [row.pk for row in rows]
-                    ).update(next_retry_time=DbNow() + _seconds(lease_seconds), lease_token=token)
+                    ).update(
+                        next_retry_time=DbNow() + _seconds(lease_seconds),
+                        lease_token=token,
+                        updated_at=DbNow(),
+                    )
             if rows and ordered:
                 self._previous_sequences(rows, ordered)
         for row in rows:
@@ -151,7 +172,8 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         # statement_timestamp(): the clock DbNow() reads on PostgreSQL, as every lease does.
         sql = (
             f"UPDATE {table} SET {quote('next_retry_time')} = statement_timestamp() + %s, "
-            f"{quote('lease_token')} = %s WHERE {quote('id')} IN ({select}) RETURNING {columns}"
+            f"{quote('lease_token')} = %s, {quote('updated_at')} = statement_timestamp() "
+            f"WHERE {quote('id')} IN ({select}) RETURNING {columns}"
         )
         rows = self._fetch_rows(sql, [_seconds(lease_seconds), token, *params])
         rows.sort(key=lambda row: row.pk)
@@ -204,8 +226,6 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         It is the id of the aggregate's last SENT ordered row before the head (0: none): a
         DEAD row skipped under the "skip" policy was never delivered, so it does not count.
         """
-        from . import ordering
-
         ids = [row.pk for row in rows if ordering.is_ordered(row, ordered)]
         if not ids:
             return
@@ -230,8 +250,6 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         Requeueing that row (status PENDING) unblocks the aggregate. Empty when ordered
         mode is off or ``OUTBOX_ORDERED_DEAD_HEAD`` is "skip" (nothing waits on a DEAD row).
         """
-        from . import ordering
-
         ordered = ordering.current_ordered() if ordered is None else ordered
         policy = ordering.current_dead_head_policy() if dead_head is None else dead_head
         q = ordering.ordered_q(ordered)
@@ -242,7 +260,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             base.filter(
                 aggregate_type=models.OuterRef("aggregate_type"),
                 aggregate_id=models.OuterRef("aggregate_id"),
-                status=PENDING,
+                status=Status.PENDING,
                 id__gt=models.OuterRef("id"),
             )
             .filter(q)
@@ -250,7 +268,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         )
         waiting = later.values("aggregate_type").annotate(n=models.Count("id")).values("n")
         return (
-            self.filter(status=DEAD)
+            self.filter(status=Status.DEAD)
             .filter(q)
             .filter(models.Exists(later))
             .filter(id__in=ordering.heads(base, ordered, ordering.BLOCK))
@@ -258,9 +276,155 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             .order_by("id")
         )
 
+    # -- the row's lifecycle: the transitions after claim() ---------------------------------
+    def new_pending(self, **fields: Any) -> OutboxEvent:
+        """An unsaved row in its first state, for emit() to insert: PENDING, no attempt yet,
+        due at once by the database clock."""
+        return self.model(
+            status=Status.PENDING,
+            retry_count=0,
+            next_retry_time=DbNow(),
+            created_at=DbNow(),
+            **fields,
+        )
+
     def held_by(self, token: str) -> OutboxEventQuerySet:
         """Rows still PENDING under the claim ``token``: the fence of every settle."""
-        return self.filter(status=PENDING, lease_token=token)
+        return self.filter(status=Status.PENDING, lease_token=token)
+
+    def mark_sent(self, token: str, ids: Sequence[int]) -> int:
+        """The broker confirmed these rows of the claim ``token``: SENT.
+
+        Returns how many changed; fewer than ``ids`` means the others were taken over by
+        another relay after this claim's lease ran out (they may be delivered twice).
+        """
+        # By primary key: the token alone would have the database read every PENDING row
+        # (no index has it) to find this batch's.
+        return (
+            self.held_by(token)
+            .with_ids(ids)
+            .update(status=Status.SENT, sent_at=DbNow(), lease_token="", updated_at=DbNow())
+        )
+
+    def mark_failed(
+        self,
+        token: str,
+        failures: Sequence[tuple[OutboxEvent, str]],
+        policy: RetryPolicy,
+    ) -> list[OutboxEvent]:
+        """Count a failed attempt on each ``(row, error)`` of the claim ``token``.
+
+        ``retry_count`` goes up by one and ``last_error`` records ``error``; the row is due
+        again after the delay ``policy`` gives for that count, or DEAD when it gives none.
+        Only rows still held under ``token`` change: they are returned, updated in memory
+        too, so the caller counts and alerts on exactly what it changed.
+        """
+        if not failures:
+            return []
+        with transaction.atomic(using=self.db, savepoint=False):
+            # Failures are rare: lock what is still ours so counts and alerts are exact.
+            ours = set(
+                self.held_by(token)
+                .with_ids([row.pk for row, _ in failures])
+                .select_for_update()
+                .values_list("pk", flat=True)
+            )
+            changed = [(row, error) for row, error in failures if row.pk in ours]
+            for row, error in changed:
+                row.retry_count += 1
+                row.last_error = error_text(error)
+                row.lease_token = ""
+                row.updated_at = DbNow()
+                delay = policy.delay_after(row.retry_count)
+                if delay is None:
+                    row.status = Status.DEAD
+                    row.next_retry_time = DbNow()
+                else:
+                    row.next_retry_time = DbNow() + timedelta(seconds=delay)
+            rows: list[Any] = [row for row, _ in changed]
+            self.bulk_update(
+                rows,
+                [
+                    "retry_count",
+                    "last_error",
+                    "lease_token",
+                    "status",
+                    "next_retry_time",
+                    "updated_at",
+                ],
+            )
+        return rows
+
+    def release(self, token: str, ids: Sequence[int], error: str | None = None) -> int:
+        """Give rows of the claim ``token`` back: due at once, no attempt counted.
+
+        ``error`` (why they were not published, e.g. the broker went away) replaces
+        ``last_error``; None keeps it (a claim made ahead and not needed). Returns how many
+        were still held under ``token``.
+        """
+        changes: dict[str, Any] = {
+            "next_retry_time": DbNow(),
+            "lease_token": "",
+            "updated_at": DbNow(),
+        }
+        if error is not None:
+            changes["last_error"] = error_text(error)
+        return self.held_by(token).with_ids(ids).update(**changes)
+
+    def requeue(self) -> int:
+        """DEAD and PENDING rows of this queryset: due now, ``retry_count`` 0, no lease.
+
+        ``last_error`` is kept, so the reason a row died stays visible until its next
+        attempt. Clearing the lease of a row a relay is publishing right now fences that
+        relay's settle: the row is published again, a duplicate consumers absorb. SENT rows
+        are left alone. Returns how many rows changed.
+        """
+        return (
+            self.order_by()
+            .filter(status__in=[Status.PENDING, Status.DEAD])
+            .update(
+                status=Status.PENDING,
+                next_retry_time=DbNow(),
+                retry_count=0,
+                lease_token="",
+                updated_at=DbNow(),
+            )
+        )
+
+    def mark_dead(self) -> int:
+        """PENDING rows of this queryset: DEAD, so no relay publishes them. Returns how many
+        changed; SENT and DEAD rows are left alone."""
+        return (
+            self.order_by()
+            .filter(status=Status.PENDING)
+            .update(status=Status.DEAD, lease_token="", updated_at=DbNow())
+        )
+
+    def delete_in_batches(self, batch_size: int) -> tuple[int, int]:
+        """Delete the rows of this queryset, ``batch_size`` at a time, each batch in its own
+        short transaction. Returns (rows deleted, batches)."""
+        deleted = batches = 0
+        last_id = 0
+        while True:
+            with transaction.atomic(using=self.db):
+                # Walking up the id keeps every SELECT a short range scan, even if a row of
+                # the previous batch could not be deleted; this queryset's filter is checked
+                # again by the DELETE, so a row that changed state meanwhile is left alone.
+                ids = list(
+                    self.filter(pk__gt=last_id)
+                    .order_by("pk")
+                    .values_list("pk", flat=True)[:batch_size]
+                )
+                if not ids:
+                    break
+                # Nothing references outbox rows, so this is one DELETE of these ids.
+                count, _ = self.with_ids(ids).delete()
+            batches += 1
+            deleted += count
+            last_id = ids[-1]
+            if len(ids) < batch_size:
+                break
+        return deleted, batches
 
     def status_counts(self) -> dict[int, int]:
         rows: Any = self.order_by().values_list("status").annotate(n=models.Count("id"))

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,14 +36,13 @@ from .alerts import notify_dead
 from .backends import get_backend
 from .backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
 from .conf import outbox_settings
-from .db import DbNow, tidy_connections
+from .db import tidy_connections
 from .models import OutboxEvent, Status
 from .querysets import OutboxEventQuerySet
 from .retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 
 logger = logging.getLogger("django_outbox.relay")
 
-MAX_ERROR_LENGTH = 2000
 # Seconds of lease a batch claimed ahead must have beyond a full confirm wait when it is sent.
 LEASE_MARGIN = 5.0
 # Batches a draining relay keeps written to the broker and not yet confirmed: the broker
@@ -118,6 +116,11 @@ class _Published:
         return any(
             r.reason is not None and r.reason.is_connection_level for r in self.results or ()
         )
+
+
+def _attempt_error(result: PublishResult) -> str:
+    """What a failed attempt records in ``last_error``: ``[reason] error``."""
+    return f"[{result.reason.value if result.reason else 'error'}] {result.error}"
 
 
 def due_source(queryset: OutboxEventQuerySet) -> OutboxEventQuerySet:
@@ -285,47 +288,38 @@ class Relay:
             if not res.ok and not (res.reason is not None and res.reason.is_connection_level)
         ]
         result = PassResult(found=len(rows))
-        held = self.queryset().held_by(token)
+        events = self.queryset()
         with transaction.atomic(using=self.using):
             if sent:
-                # By primary key: the token alone would have the database read every
-                # PENDING row (no index has it) to find this batch's.
-                n = held.with_ids([r.pk for r in sent]).update(
-                    status=Status.SENT, sent_at=DbNow(), lease_token=""
-                )
-                result.sent = n
-                if n < len(sent):
+                result.sent = events.mark_sent(token, [r.pk for r in sent])
+                if result.sent < len(sent):
                     logger.warning(
                         "[%s] %d of %d confirmed events had been taken over by another relay "
                         "(this relay outlived its lease); they may be delivered twice",
                         self.job,
-                        len(sent) - n,
+                        len(sent) - result.sent,
                         len(sent),
                     )
-            if failed or lost:
-                # Failures are rare: lock what is still ours so alerts and counts are exact.
-                ours = set(
-                    held.with_ids([r.pk for r, _ in failed + lost])
-                    .select_for_update()
-                    .values_list("pk", flat=True)
+            if failed:
+                changed = events.mark_failed(
+                    token, [(r, _attempt_error(res)) for r, res in failed], self.policy
                 )
-                result.failed, result.dead_events = self._settle_failures(
-                    [(r, res) for r, res in failed if r.pk in ours]
-                )
+                result.failed = len(changed)
+                result.dead_events = [r for r in changed if r.status == Status.DEAD]
                 result.dead = len(result.dead_events)
-                if len(ours) < len(failed) + len(lost):
-                    logger.warning(
-                        "[%s] %d of %d failed or unconfirmed events had been taken over by "
-                        "another relay (this relay outlived its lease); left as it settled them",
-                        self.job,
-                        len(failed) + len(lost) - len(ours),
-                        len(failed) + len(lost),
-                    )
-                lost_ours = [r for r, _ in lost if r.pk in ours]
-                if lost_ours:
-                    result.released = self._release_rows(
-                        token, lost_ours, f"connection lost: {lost[0][1].error}"
-                    )
+            if lost:
+                result.released = events.release(
+                    token, [r.pk for r, _ in lost], f"connection lost: {lost[0][1].error}"
+                )
+            taken = len(failed) - result.failed + len(lost) - result.released
+            if taken:
+                logger.warning(
+                    "[%s] %d of %d failed or unconfirmed events had been taken over by "
+                    "another relay (this relay outlived its lease); left as it settled them",
+                    self.job,
+                    taken,
+                    len(failed) + len(lost),
+                )
         metrics.published((r.event_type for r in sent), self.job)
         metrics.confirm_latencies(confirmed_at - r.created_at.timestamp() for r in sent)
         for reason in Reason:
@@ -345,42 +339,9 @@ class Relay:
         logger.debug("[%s] batch %s", self.job, result.summary())
         return result
 
-    def _settle_failures(
-        self, failed: list[tuple[OutboxEvent, PublishResult]]
-    ) -> tuple[int, list[OutboxEvent]]:
-        if not failed:
-            return 0, []
-        dead: list[OutboxEvent] = []
-        for row, res in failed:
-            row.retry_count += 1
-            row.last_error = (f"[{res.reason.value if res.reason else 'error'}] {res.error}")[
-                :MAX_ERROR_LENGTH
-            ]
-            row.lease_token = ""
-            delay = self.policy.delay_after(row.retry_count)
-            if delay is None:
-                row.status = Status.DEAD
-                row.next_retry_time = DbNow()
-                dead.append(row)
-            else:
-                row.next_retry_time = DbNow() + timedelta(seconds=delay)
-        self.queryset().bulk_update(
-            [row for row, _ in failed],
-            ["retry_count", "last_error", "lease_token", "status", "next_retry_time"],
-        )
-        return len(failed), dead
-
-    def _release_rows(self, token: str, rows: Sequence[OutboxEvent], error: str | None) -> int:
-        """Due at once, no attempt counted; ``error`` replaces last_error unless None."""
-        changes: dict[str, Any] = {"next_retry_time": DbNow(), "lease_token": ""}
-        if error is not None:
-            changes["last_error"] = error[:MAX_ERROR_LENGTH]
-        return self.queryset().held_by(token).with_ids([r.pk for r in rows]).update(**changes)
-
     def release(self, token: str, rows: Sequence[OutboxEvent], error: str) -> int:
         """Give claimed rows back, due at once, without counting an attempt."""
-        with transaction.atomic(using=self.using):
-            n = self._release_rows(token, rows, error)
+        n = self.queryset().release(token, [r.pk for r in rows], error)
         metrics.failed(Reason.CONNECTION_LOST.value, len(rows), self.job)
         return n
 
@@ -392,8 +353,7 @@ class Relay:
         if not claim.rows:
             return
         try:
-            with transaction.atomic(using=self.using):
-                given = self._release_rows(claim.token, claim.rows, None)
+            given = self.queryset().release(claim.token, [r.pk for r in claim.rows])
             if given < len(claim.rows):
                 logger.warning(
                     "[%s] %d of %d events claimed ahead had been taken over by another relay "

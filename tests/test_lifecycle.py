@@ -1,0 +1,156 @@
+"""The row's lifecycle: every transition is a QuerySet method, fenced where a claim holds the
+row, and stamps ``updated_at`` from the database clock (which the incident queries read)."""
+
+from __future__ import annotations
+
+import ast
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from django_outbox.backends import locmem
+from django_outbox.backends.base import Reason
+from django_outbox.models import OutboxEvent, Status
+from django_outbox.purge import purge
+from django_outbox.relay import BrokerOutage, Relay
+from django_outbox.retry import FixedRetryPolicy
+from django_outbox.stats import db_now
+from tests.outbox_rows import make_events
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HOUR = 3600.0
+PACKAGE = Path(__file__).resolve().parent.parent / "django_outbox"
+#: The columns only the lifecycle methods may write.
+LIFECYCLE_COLUMNS = {"status", "next_retry_time", "retry_count", "lease_token", "last_error"}
+
+
+def old_row(**fields) -> OutboxEvent:
+    """A row created and last changed an hour ago (database clock)."""
+    (row,) = make_events({"age": HOUR, **fields})
+    OutboxEvent.objects.filter(pk=row.pk).update(updated_at=db_now() - timedelta(hours=1))
+    return row
+
+
+def assert_just_changed(row: OutboxEvent) -> OutboxEvent:
+    row.refresh_from_db()
+    assert abs((db_now() - row.updated_at).total_seconds()) < 60, row.updated_at
+    return row
+
+
+def test_sent_stamps_updated_at():
+    row = old_row()
+    Relay(backend=locmem.LocmemBackend()).drain()
+    assert assert_just_changed(row).status == Status.SENT
+
+
+def test_failed_attempt_stamps_updated_at():
+    row = old_row()
+    locmem.fail_next.append(Reason.NACKED)
+    Relay(backend=locmem.LocmemBackend()).drain()
+    row = assert_just_changed(row)
+    assert (row.status, row.retry_count) == (Status.PENDING, 1)
+    assert row.last_error.startswith("[nacked]")
+
+
+def test_death_stamps_updated_at_so_the_incident_query_finds_when_it_died():
+    row = old_row(retry_count=2)
+    locmem.fail_next.append(Reason.NACKED)
+    relay = Relay(backend=locmem.LocmemBackend(), policy=FixedRetryPolicy(1, max_attempts=2))
+    assert relay.drain().dead == 1
+    assert assert_just_changed(row).status == Status.DEAD
+    # docs/operations.md: MAX(updated_at) AS last_death is when the last row died.
+    last_death = max(OutboxEvent.objects.dead().values_list("updated_at", flat=True))
+    assert last_death > row.created_at + timedelta(minutes=59)
+
+
+def test_release_on_an_outage_stamps_updated_at():
+    row = old_row()
+    locmem.unavailable = True
+    with pytest.raises(BrokerOutage):
+        Relay(backend=locmem.LocmemBackend()).drain()
+    row = assert_just_changed(row)
+    assert (row.status, row.retry_count, row.lease_token) == (Status.PENDING, 0, "")
+
+
+def test_claim_stamps_updated_at():
+    row = old_row()
+    token, rows = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    assert [r.pk for r in rows] == [row.pk]
+    assert assert_just_changed(row).lease_token == token
+
+
+def test_requeue_and_mark_dead_stamp_updated_at():
+    dead = old_row(status=Status.DEAD, retry_count=11, last_error="[nacked] no")
+    pending = old_row()
+    assert OutboxEvent.objects.filter(pk=dead.pk).requeue() == 1
+    dead = assert_just_changed(dead)
+    assert (dead.status, dead.retry_count, dead.last_error) == (Status.PENDING, 0, "[nacked] no")
+    assert OutboxEvent.objects.filter(pk=pending.pk).mark_dead() == 1
+    assert assert_just_changed(pending).status == Status.DEAD
+
+
+def test_requeue_and_mark_dead_leave_other_states_alone():
+    (sent,) = make_events({"status": Status.SENT})
+    (dead,) = make_events({"status": Status.DEAD})
+    assert OutboxEvent.objects.filter(pk=sent.pk).requeue() == 0
+    assert OutboxEvent.objects.filter(pk__in=[sent.pk, dead.pk]).mark_dead() == 0
+    assert OutboxEvent.objects.get(pk=sent.pk).status == Status.SENT
+
+
+def test_settles_are_fenced_on_the_lease_token():
+    (row,) = make_events({})
+    token, _ = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    OutboxEvent.objects.filter(pk=row.pk).requeue()  # taken back: the claim is void
+    events = OutboxEvent.objects.all()
+    assert events.mark_sent(token, [row.pk]) == 0
+    assert events.mark_failed(token, [(row, "x")], FixedRetryPolicy(1, max_attempts=1)) == []
+    assert events.release(token, [row.pk], "y") == 0
+    row.refresh_from_db()
+    assert (row.status, row.retry_count, row.last_error) == (Status.PENDING, 0, "")
+
+
+def test_mark_failed_cuts_a_long_error():
+    (row,) = make_events({})
+    token, rows = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    policy = FixedRetryPolicy(1, max_attempts=5)
+    OutboxEvent.objects.all().mark_failed(token, [(rows[0], "e" * 5000)], policy)
+    row.refresh_from_db()
+    assert len(row.last_error) == 2000
+
+
+def test_purge_deletes_in_batches_through_the_queryset():
+    make_events(*({"status": Status.SENT, "age": 10 * 86400} for _ in range(5)))
+    result = purge(older_than_days=7, batch_size=2)
+    assert (result.sent, result.batches) == (5, 3)
+
+
+# -- one place writes the row's state --------------------------------------------------------
+def _writes_outside_the_lifecycle() -> list[str]:
+    """Calls of update()/bulk_update() in django_outbox, outside querysets.py, that name a
+    lifecycle column (as a keyword or as a field-name string)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "querysets.py" or "migrations" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in {"update", "bulk_update"}
+            ):
+                continue
+            names = {kw.arg for kw in node.keywords} | {
+                n.value
+                for n in ast.walk(node)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            }
+            if names & LIFECYCLE_COLUMNS:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    return found
+
+
+@pytest.mark.once
+def test_only_the_queryset_writes_the_rows_state():
+    assert _writes_outside_the_lifecycle() == []
