@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from ...conf import outbox_settings
 from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
 from ...masking import mask_url
-from ...relay import relay_signals
+from ...worker import relay_signals
 from ..options import duration, non_negative_int, positive_int
 
 VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}

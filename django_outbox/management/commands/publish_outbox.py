@@ -12,7 +12,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from ...backends import get_backend
 from ...conf import outbox_settings
 from ...exceptions import OutboxError
-from ...relay import BrokerOutage, Relay, relay_signals
+from ...relay import BrokerOutage, Relay
+from ...worker import relay_signals
 from ..options import duration, port, positive_int
 
 VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}

@@ -18,28 +18,30 @@ fault: their claim is released without counting an attempt and the relay backs o
 from __future__ import annotations
 
 import logging
-import select
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
 
-from . import metrics, ordering
-from .alerts import notify_dead
-from .backends import get_backend
-from .backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
-from .conf import outbox_settings
-from .db import tidy_connections
-from .models import OutboxEvent, Status
-from .querysets import OutboxEventQuerySet
-from .retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
+from .. import metrics, ordering
+from ..alerts import notify_dead
+from ..backends import get_backend
+from ..backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+from ..conf import outbox_settings
+from ..db import tidy_connections
+from ..models import OutboxEvent, Status
+from ..querysets import OutboxEventQuerySet
+from ..retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
+from ..worker import Backoff
+from .lanes import INLINE, DbWorker, ThreadDbWorker, _done
+from .wake import Waker, make_waker
 
 logger = logging.getLogger("django_outbox.relay")
 
@@ -645,190 +647,3 @@ class Relay:
         except FileNotFoundError:
             self.heartbeat_path.parent.mkdir(parents=True, exist_ok=True)
             self.heartbeat_path.touch()
-
-
-# -- where the database work of a drain runs ----------------------------------------------
-R = TypeVar("R")
-
-
-def _done(value: R) -> Future[R]:
-    future: Future[R] = Future()
-    future.set_result(value)
-    return future
-
-
-class DbWorker:
-    """Runs the relay's database work now, on the calling thread (returns a done future).
-
-    Two lanes: claims and settles. Within a lane, work runs in submission order.
-    """
-
-    def claim(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._run(fn, *args)
-
-    def settle(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._run(fn, *args)
-
-    def each_connection(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on every thread that has a database connection of its own."""
-
-    @staticmethod
-    def _run(fn: Callable[..., R], *args: Any) -> Future[R]:
-        future: Future[R] = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
-    def close(self) -> None:
-        pass
-
-
-INLINE = DbWorker()
-
-
-class ThreadDbWorker(DbWorker):
-    """Runs the relay's claims on one thread and its settles on another, each with its own
-    database connection (Django's are per thread), closed with the worker.
-
-    Claims and settles are separate short transactions that need not wait for each other:
-    on two connections the database runs them side by side.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._claims = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-claim")
-        self._settles = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-settle")
-
-    def claim(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._claims.submit(fn, *args)
-
-    def settle(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._settles.submit(fn, *args)
-
-    def each_connection(self, fn: Callable[[], Any]) -> None:
-        for pool in (self._claims, self._settles):
-            pool.submit(fn).result()
-
-    def close(self) -> None:
-        for pool in (self._claims, self._settles):
-            with suppress(Exception):
-                pool.submit(connections.close_all).result()
-            pool.shutdown(wait=True)
-
-
-class Backoff:
-    """Exponential pause for relay-wide outages: 0.5 s, 1 s, 2 s, ... up to ``maximum``."""
-
-    def __init__(self, *, initial: float = 0.5, maximum: float = 30.0) -> None:
-        self.initial, self.maximum = initial, maximum
-        self.current = 0.0
-
-    def next(self) -> float:
-        self.current = min(self.maximum, self.current * 2 if self.current else self.initial)
-        return self.current
-
-    def reset(self) -> None:
-        self.current = 0.0
-
-
-# -- waking up -------------------------------------------------------------------------------
-class Waker:
-    """Sleeps between passes; ``stop`` cuts any sleep short."""
-
-    def __init__(self, stop: threading.Event) -> None:
-        self.stop = stop
-
-    def wait(self, timeout: float) -> None:
-        self.stop.wait(timeout)
-
-    def close(self) -> None:
-        pass
-
-
-class PostgresNotifyWaker(Waker):
-    """Wakes as soon as a transaction that emitted events commits (LISTEN/NOTIFY).
-
-    Uses a dedicated connection so ``tidy_connections()`` never drops the LISTEN; if
-    that connection fails, it falls back to polling and reconnects on the next wait.
-    """
-
-    SLICE = 0.2  # how often a wait looks at ``stop``; a NOTIFY interrupts it at once
-
-    def __init__(self, stop: threading.Event, using: str, channel: str) -> None:
-        super().__init__(stop)
-        self.using, self.channel = using, channel
-        self._wrapper: Any = None
-
-    def _listen(self) -> Any:
-        if self._wrapper is None:
-            wrapper = connections.create_connection(self.using)
-            wrapper.ensure_connection()
-            wrapper.set_autocommit(True)
-            with wrapper.cursor() as cursor:
-                cursor.execute(f'LISTEN "{self.channel}"')
-            self._wrapper = wrapper
-        return self._wrapper.connection
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        try:
-            raw = self._listen()
-            while not self.stop.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                if self._received(raw, min(left, self.SLICE)):
-                    return
-        except Exception:
-            logger.warning("LISTEN connection failed; polling until it is back", exc_info=True)
-            self.close()
-            self.stop.wait(max(0.0, deadline - time.monotonic()))
-
-    @staticmethod
-    def _received(raw: Any, timeout: float) -> bool:
-        if hasattr(raw, "notifies") and callable(raw.notifies):  # psycopg 3
-            return any(True for _ in raw.notifies(timeout=timeout, stop_after=1))
-        # psycopg2
-        if select.select([raw], [], [], timeout)[0]:
-            raw.poll()
-            got = bool(raw.notifies)
-            raw.notifies.clear()
-            return got
-        return False
-
-    def close(self) -> None:
-        if self._wrapper is not None:
-            with suppress(Exception):
-                self._wrapper.close()
-            self._wrapper = None
-
-
-def make_waker(using: str, stop: threading.Event) -> Waker:
-    if connections[using].vendor == "postgresql" and outbox_settings.NOTIFY:
-        channel = outbox_settings.NOTIFY_CHANNEL
-        if channel.replace("_", "").isalnum():
-            return PostgresNotifyWaker(stop, using, channel)
-        logger.warning("OUTBOX_NOTIFY_CHANNEL %r is not a plain identifier; polling", channel)
-    return Waker(stop)
-
-
-@contextmanager
-def relay_signals(stop: threading.Event, log: Callable[[str], None]) -> Iterator[None]:
-    """First SIGTERM/SIGINT: finish the batch in flight, then exit 0. Second: exit 1 now."""
-    import signal
-
-    def handler(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if stop.is_set():
-            log(f"{name} again: exiting at once")
-            raise SystemExit(1)
-        log(f"{name} received: finishing the batch in flight, then exiting")
-        stop.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
