@@ -41,6 +41,7 @@ from .conf import outbox_settings
 from .db import tidy_connections
 from .exceptions import OutboxError, error_text
 from .message import ReceivedEvent, UndecodableMessage, decode
+from .worker import Backoff, keep_running
 
 if TYPE_CHECKING:
     from .backends.locmem import Message
@@ -596,27 +597,33 @@ class Consumer:
 
         stop = stop or threading.Event()
         result = ConsumeResult()
-        pause = 0.5
-        while not stop.is_set():
-            try:
-                if self._channel is None:
-                    self.connect()
-                    pause = 0.5
-                if self._consume(stop, result, max_messages, until_idle):
-                    break
-            except pika.exceptions.AMQPError as exc:
-                self.close()
-                if stop.is_set():
-                    break
-                logger.warning(
-                    "broker connection lost (%s: %s); reconnecting in %.1fs",
-                    type(exc).__name__,
-                    exc,
-                    pause,
-                )
-                stop.wait(pause)
-                pause = min(pause * 2, self.reconnect_max)
-        self.close()
+        backoff = Backoff(maximum=self.reconnect_max)
+
+        def step() -> bool:
+            if self._channel is None:
+                self.connect()
+                backoff.reset()
+            return self._consume(stop, result, max_messages, until_idle)
+
+        def lost(exc: Exception, pause: float) -> None:
+            self.close()
+            logger.warning(
+                "broker connection lost (%s: %s); reconnecting in %.1fs",
+                type(exc).__name__,
+                exc,
+                pause,
+            )
+
+        try:
+            keep_running(
+                stop,
+                step,
+                backoff=backoff,
+                on_error=lost,
+                recoverable=pika.exceptions.AMQPError,
+            )
+        finally:
+            self.close()
         return result
 
     def _consume(

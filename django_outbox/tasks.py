@@ -51,14 +51,11 @@ def _skipped(job: str) -> dict[str, Any]:
     return {SKIPPED: True}
 
 
-def _drain(relay: Relay, job: str, max_events: int | None) -> dict[str, Any]:
-    try:
-        with run_lock(job, relay.using) as held:
-            if not held:
-                return _skipped(job)
-            result = relay.drain(max_events=max_events)
-    finally:
-        relay.close()
+def _drain(relay: Relay, job: str, max_events: int | None = None) -> dict[str, Any]:
+    with run_lock(job, relay.using) as held:
+        if not held:
+            return _skipped(job)
+        result = relay.run_once(max_events=max_events)
     logger.info("%s: %s", job, result.summary())
     return _pass_summary(result)
 
@@ -74,7 +71,7 @@ def compensate(*, stale_after: float | None = None, max_batch: int | None = None
     """One compensation pass, like ``compensate_outbox``: stale PENDING rows, at most
     ``max_batch`` (OUTBOX_COMPENSATE_MAX_BATCH)."""
     relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch)
-    return _drain(relay, "compensate", relay.batch_size)
+    return _drain(relay, "compensate")
 
 
 @shared_task(name=PURGE_TASK)

@@ -34,11 +34,7 @@ def relay_now(**relay_options: Any) -> Any:
     """Drain every due event through the in-memory backend; returns the PassResult."""
     from .relay import Relay
 
-    relay = Relay(backend=locmem.LocmemBackend(), **relay_options)
-    try:
-        return relay.drain()
-    finally:
-        relay.close()
+    return Relay(backend=locmem.LocmemBackend(), **relay_options).run_once()
 
 
 def assert_emitted(event_type: str, *, count: int = 1, **fields: Any) -> list[OutboxEvent]:

@@ -8,8 +8,30 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "django_outbox"
+APP = "django_outbox"
 
 pytestmark = pytest.mark.once
+
+#: Import nothing of the app but each other.
+FOUNDATION = {
+    "states",
+    "conf",
+    "exceptions",
+    "masking",
+    "message",
+    "db",
+    "worker",
+    "retry",
+    "_compat",
+}
+#: The models and the row's lifecycle: the foundation and each other only.
+DATA = {"ordering", "querysets", "models"}
+#: Where each broker or task library may be imported.
+LIBRARIES = {
+    "pika": {"backends.pika", "_compat.pika", "consumer"},
+    "celery": {"backends.celery", "celery", "tasks"},
+    "kombu": {"backends.celery"},
+}
 
 
 def _module_name(path: Path) -> str:
@@ -17,47 +39,70 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(child) for child in ast.walk(node))
-    return skipped
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Each module of django_outbox -> the modules of django_outbox it imports, counting
-    imports inside functions; only ``if TYPE_CHECKING:`` blocks are left out."""
-    files = {
+def _package_files() -> dict[str, Path]:
+    return {
         _module_name(path): path
         for path in PACKAGE.rglob("*.py")
         if "migrations" not in path.relative_to(PACKAGE).parts
     }
+
+
+def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement, inside functions too; ``if TYPE_CHECKING:`` blocks left out."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for child in ast.walk(node))
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in skipped
+    ]
+
+
+def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    parts = package.split(".")
+    base = parts[: len(parts) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of django_outbox -> the modules of django_outbox it imports."""
+    files = _package_files()
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        tree = ast.parse(path.read_text())
-        skipped = _type_checking_nodes(tree)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    target = ".".join([*base, *([node.module] if node.module else [])])
-                else:
-                    target = node.module or ""
-                for alias in node.names:
-                    if f"{target}.{alias.name}" in files:
-                        deps.add(f"{target}.{alias.name}")
-                    elif target in files:
-                        deps.add(target)
-            elif isinstance(node, ast.Import):
+        for node in _import_nodes(path):
+            if isinstance(node, ast.Import):
                 deps.update(alias.name for alias in node.names if alias.name in files)
+                continue
+            target = _absolute(name, path, node)
+            for alias in node.names:
+                if f"{target}.{alias.name}" in files:  # from . import ordering
+                    deps.add(f"{target}.{alias.name}")
+                elif target in files:  # from .models import OutboxEvent
+                    deps.add(target)
         deps.discard(name)
         graph[name] = deps
     return graph
+
+
+def external_imports() -> dict[str, set[str]]:
+    """Each module of django_outbox -> the top-level names of other packages it imports."""
+    found: dict[str, set[str]] = {}
+    for name, path in _package_files().items():
+        tops = set()
+        for node in _import_nodes(path):
+            if isinstance(node, ast.Import):
+                tops.update(alias.name.split(".")[0] for alias in node.names)
+            elif not node.level and node.module:
+                tops.add(node.module.split(".")[0])
+        found[name] = tops - {APP}
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -70,7 +115,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        for dep in graph[node]:
+        for dep in sorted(graph[node]):
             if dep not in index:
                 visit(dep)
                 low[node] = min(low[node], low[dep])
@@ -92,6 +137,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _short(module: str) -> str:
+    return module.removeprefix(f"{APP}.")
+
+
+def _layer_of(module: str) -> str:
+    return _short(module).split(".")[0]
+
+
 def test_no_import_cycle_inside_the_package():
     assert cycles(import_graph()) == []
 
@@ -105,5 +158,33 @@ def test_the_import_graph_counts_imports_inside_functions():
     assert "django_outbox.checks" in import_graph()["django_outbox.apps"]
 
 
-def test_the_states_module_imports_nothing_of_the_package():
+def test_the_foundation_imports_nothing_above_it():
+    wrong = {
+        (_short(module), _short(dep))
+        for module, deps in import_graph().items()
+        if _layer_of(module) in FOUNDATION
+        for dep in deps
+        if _layer_of(dep) not in FOUNDATION
+    }
+    assert wrong == set()
+
+
+def test_the_data_layer_imports_only_the_foundation():
+    wrong = {
+        (_short(module), _short(dep))
+        for module, deps in import_graph().items()
+        if _layer_of(module) in DATA
+        for dep in deps
+        if _layer_of(dep) not in FOUNDATION | DATA
+    }
+    assert wrong == set()
+
+
+def test_the_status_is_defined_once_and_imports_nothing_of_the_app():
     assert import_graph()["django_outbox.states"] == set()
+
+
+@pytest.mark.parametrize("library", sorted(LIBRARIES))
+def test_broker_and_task_libraries_are_imported_only_where_they_are_used(library):
+    users = {_short(m) for m, tops in external_imports().items() if library in tops}
+    assert users <= LIBRARIES[library]

@@ -17,7 +17,7 @@ from django_outbox.backends import locmem
 from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.querysets import CLAIM_FIELDS
-from django_outbox.relay import BrokerOutage, Relay
+from django_outbox.relay import BrokerOutage, Relay, Stage
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
 from tests.utils.threads import db_thread
 
@@ -214,13 +214,13 @@ def test_settle_is_fenced_on_the_lease_token():
     """A relay frozen past its lease cannot overwrite what another relay settled."""
     emit_many(2)
     stale = make_relay(lease_seconds=60)
-    token, rows = stale.claim(10)
+    batch = stale.claim(10)
     # The lease runs out while the first relay is frozen; a second relay takes the rows.
     OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
     assert make_relay().drain().sent == 2
     # The stale relay wakes up and reports a failure for one row and success for the other.
-    results = [PublishResult.failed(Reason.NACKED, "late"), PublishResult.sent()]
-    result = stale.settle(token, rows, results)
+    batch.results = [PublishResult.failed(Reason.NACKED, "late"), PublishResult.sent()]
+    result = stale.settle(batch)
     assert (result.sent, result.failed, result.dead) == (0, 0, 0)
     for event in OutboxEvent.objects.all():
         assert event.status == Status.SENT and event.retry_count == 0 and event.last_error == ""
@@ -231,15 +231,15 @@ def test_stale_relay_says_its_failed_and_unconfirmed_rows_were_taken_over(caplog
     the rows stay as the other relay settled them, and the log says why nothing changed."""
     emit_many(2)
     stale = make_relay(lease_seconds=60)
-    token, rows = stale.claim(10)
+    batch = stale.claim(10)
     OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
     assert make_relay().drain().sent == 2
-    results = [
+    batch.results = [
         PublishResult.failed(Reason.TIMEOUT, "late"),
         PublishResult.failed(Reason.CONNECTION_LOST, "heartbeat"),
     ]
     with caplog.at_level(logging.WARNING, logger="django_outbox.relay"):
-        result = stale.settle(token, rows, results)
+        result = stale.settle(batch)
     assert (result.sent, result.failed, result.released) == (0, 0, 0)
     assert "2 of 2 failed or unconfirmed events had been taken over" in caplog.text
     assert set(OutboxEvent.objects.values_list("status", flat=True)) == {Status.SENT}
@@ -248,9 +248,10 @@ def test_stale_relay_says_its_failed_and_unconfirmed_rows_were_taken_over(caplog
 def test_settle_uses_few_statements():
     emit_many(100)
     relay = make_relay()
-    token, rows = relay.claim(100)
+    batch = relay.claim(100)
+    batch.results = [PublishResult.sent()] * 100
     with CaptureQueriesContext(connection) as queries:
-        relay.settle(token, rows, [PublishResult.sent()] * 100)
+        relay.settle(batch)
     writes = [q for q in queries.captured_queries if q["sql"].upper().startswith("UPDATE")]
     assert len(writes) == 1
 
@@ -267,7 +268,7 @@ def test_claimed_rows_are_what_loading_them_gives():
             aggregate_id=7,
         )
     connection.close()
-    _token, (row,) = make_relay().claim(10)
+    (row,) = make_relay().claim(10).rows
     loaded = OutboxEvent.objects.get(pk=row.pk)
     for name in CLAIM_FIELDS:
         assert getattr(row, name) == getattr(loaded, name), name
@@ -498,9 +499,9 @@ def test_a_batch_claimed_ahead_too_long_ago_is_claimed_again():
     claim = relay.claim
 
     def counting(limit):
-        token, rows = claim(limit)
-        claims.append(len(rows))
-        return token, rows
+        batch = claim(limit)
+        claims.append(len(batch.rows))
+        return batch
 
     relay.claim = counting
     result = relay.drain()
@@ -523,9 +524,9 @@ def test_a_batch_claimed_again_keeps_within_max_events():
     claim = relay.claim
 
     def leases_run_out(limit):
-        token, rows = claim(limit)
+        batch = claim(limit)
         OutboxEvent.objects.filter(pk__in=leased).update(next_retry_time=timezone.now())
-        return token, rows
+        return batch
 
     relay.claim = leases_run_out
     result = relay.drain(max_events=50)
@@ -549,12 +550,14 @@ def test_default_backend_send_then_wait_is_publish_in_order():
     assert [m.message_id for m in locmem.outbox] == [first.event_id, second.event_id]
 
 
-def test_giving_back_a_claim_another_relay_took_over_changes_nothing_and_says_so(caplog):
+def test_releasing_a_batch_another_relay_took_over_changes_nothing_and_says_so(caplog):
     emit_many(3)
     relay = make_relay()
-    claim = relay._claim(3)
+    batch = relay.claim(3)
     OutboxEvent.objects.update(lease_token="another-relay")  # its lease ran out meanwhile
     with caplog.at_level(logging.WARNING, logger="django_outbox.relay"):
-        relay.give_back(claim)
+        assert relay.release(batch) == 0
     assert set(OutboxEvent.objects.values_list("lease_token", flat=True)) == {"another-relay"}
-    assert "3 of 3 events claimed ahead had been taken over by another relay" in caplog.text
+    assert "3 of 3 events being released had been taken over by another relay" in caplog.text
+    assert batch.stage is Stage.RELEASED
+    assert relay.release(batch) == 0  # once released, a batch holds nothing

@@ -12,13 +12,14 @@ from django.db import connections
 R = TypeVar("R")
 
 
-def _done(value: R) -> Future[R]:
+def done(value: R) -> Future[R]:
+    """A future that already holds ``value``."""
     future: Future[R] = Future()
     future.set_result(value)
     return future
 
 
-class DbWorker:
+class Lanes:
     """Runs the relay's database work now, on the calling thread (returns a done future).
 
     Two lanes: claims and settles. Within a lane, work runs in submission order.
@@ -46,12 +47,12 @@ class DbWorker:
         pass
 
 
-INLINE = DbWorker()
+INLINE = Lanes()
 
 
-class ThreadDbWorker(DbWorker):
+class ThreadLanes(Lanes):
     """Runs the relay's claims on one thread and its settles on another, each with its own
-    database connection (Django's are per thread), closed with the worker.
+    database connection (Django's are per thread), closed with the lanes.
 
     Claims and settles are separate short transactions that need not wait for each other:
     on two connections the database runs them side by side.

@@ -13,8 +13,8 @@ from django.db import DatabaseError
 
 from ...exceptions import OutboxError
 from ...relay import BrokerOutage, Relay, stale_source
+from ...worker import configure_logging
 from ..options import duration, positive_int
-from .publish_outbox import configure_logging
 
 __all__ = ["Command", "stale_source"]
 
@@ -54,7 +54,7 @@ class Command(BaseCommand):
         except (OutboxError, TypeError) as exc:
             raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         try:
-            result = relay.drain(max_events=relay.batch_size)
+            result = relay.run_once()
         except BrokerOutage as exc:
             raise CommandError(
                 f"compensate_outbox: the broker is unreachable ({exc}); the rows stay PENDING "
@@ -65,8 +65,6 @@ class Command(BaseCommand):
             raise CommandError(
                 f"compensate_outbox: the database is unreachable ({exc}).", returncode=2
             ) from exc
-        finally:
-            relay.close()
         self.stdout.write(f"compensate_outbox: {result.summary()}")
         if result.failed or result.dead:
             raise CommandError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
@@ -11,10 +10,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from ...conf import outbox_settings
 from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
 from ...masking import mask_url
-from ...worker import relay_signals
+from ...worker import configure_logging, stop_on_signals
 from ..options import duration, non_negative_int, positive_int
-
-VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
 
 def queue_type(value: str) -> str:
@@ -111,7 +108,7 @@ class Command(BaseCommand):
         verbosity: int,
         **options: Any,
     ) -> None:
-        logging.getLogger("django_outbox").setLevel(VERBOSITY_LEVELS.get(verbosity, logging.INFO))
+        configure_logging(verbosity)
         if list:
             try:
                 classes = get_handlers(handlers)
@@ -153,6 +150,6 @@ class Command(BaseCommand):
                 f"consume_outbox: {consumer.queue} on {mask_url(outbox_settings.BROKER_URL)}"
             )
         stop = threading.Event()
-        with relay_signals(stop, lambda msg: self.stderr.write(msg)):
+        with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
             result = consumer.run(stop=stop, max_messages=max_messages, until_idle=once)
         self.stdout.write(f"consume_outbox stopped: {result.summary()}")

@@ -13,16 +13,10 @@ from ...backends import get_backend
 from ...conf import outbox_settings
 from ...exceptions import OutboxError
 from ...relay import BrokerOutage, Relay
-from ...worker import relay_signals
+from ...worker import configure_logging, stop_on_signals
 from ..options import duration, port, positive_int
 
-VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
-
 logger = logging.getLogger("django_outbox.relay")
-
-
-def configure_logging(verbosity: int) -> None:
-    logging.getLogger("django_outbox").setLevel(VERBOSITY_LEVELS.get(verbosity, logging.INFO))
 
 
 class Command(BaseCommand):
@@ -95,17 +89,15 @@ class Command(BaseCommand):
 
         if once:
             try:
-                result = relay.drain(max_events=max_events)
+                result = relay.run_once(max_events=max_events)
             except BrokerOutage as exc:
                 raise CommandError(f"The broker is unreachable: {exc}", returncode=2) from exc
-            finally:
-                relay.close()
             self.stdout.write(f"publish_outbox: {result.summary()}")
             if result.failed:
                 raise CommandError(f"{result.failed} events failed", returncode=1)
             return
 
         stop = threading.Event()
-        with relay_signals(stop, lambda msg: self.stderr.write(msg)):
+        with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
             result = relay.run(stop=stop, interval=interval, max_events=max_events)
         self.stdout.write(f"publish_outbox stopped: {result.summary()}")

@@ -1,0 +1,96 @@
+"""A batch of claimed rows on its way through the relay, and what batches add up to."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ...backends.base import PublishResult
+    from ...models import OutboxEvent
+
+
+class Stage(enum.Enum):
+    """Where a batch is. Every batch ends SETTLED or RELEASED.
+
+    CLAIMED -> SENT -> COLLECTED -> SETTLED is the way of a batch the broker answered for;
+    a batch the relay stops holding before it is settled (a stop, an outage, an error, a
+    lease too short to send it on) is RELEASED: its rows are due again at once.
+    """
+
+    CLAIMED = "claimed"  # leased under the batch's token, not handed to the broker
+    SENT = "sent"  # handed to the backend; confirms not collected yet
+    COLLECTED = "collected"  # one result per row
+    SETTLED = "settled"  # the results are recorded on the rows
+    RELEASED = "released"  # given back unsettled, due again at once
+
+
+@dataclass(eq=False)
+class Batch:
+    """Rows leased under one lease token, and what became of them."""
+
+    token: str
+    rows: list[OutboxEvent]
+    limit: int  # how many rows the claim asked for
+    claimed_at: float  # time.monotonic()
+    stage: Stage = Stage.CLAIMED
+    results: list[PublishResult] | None = None
+
+    @classmethod
+    def empty(cls) -> Batch:
+        """No rows: what a claim returns when nothing is due (or nothing may be claimed)."""
+        return cls("", [], 0, 0.0, stage=Stage.SETTLED)
+
+    @property
+    def full(self) -> bool:
+        """As many rows as asked for: more may be due behind them."""
+        return bool(self.rows) and len(self.rows) >= self.limit
+
+    @property
+    def held(self) -> bool:
+        """Rows still leased by this relay and not settled: someone must release them."""
+        return bool(self.rows) and self.stage in (Stage.CLAIMED, Stage.SENT, Stage.COLLECTED)
+
+    @property
+    def connection_lost(self) -> bool:
+        """Some results say the connection to the broker went away under this batch."""
+        return any(
+            r.reason is not None and r.reason.is_connection_level for r in self.results or ()
+        )
+
+
+class BrokerOutage(Exception):
+    """The broker went away; the batch's rows were released. The caller backs off.
+
+    ``result`` holds what the interrupted pass did settle (confirmed or dead rows).
+    """
+
+    def __init__(self, message: str, result: PassResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result if result is not None else PassResult()
+
+
+@dataclass
+class PassResult:
+    """Totals of one or more batches."""
+
+    found: int = 0
+    sent: int = 0
+    failed: int = 0
+    dead: int = 0
+    released: int = 0
+    batches: int = 0
+    dead_events: list[OutboxEvent] = field(default_factory=list, repr=False)
+
+    def add(self, other: PassResult) -> None:
+        self.found += other.found
+        self.sent += other.sent
+        self.failed += other.failed
+        self.dead += other.dead
+        self.released += other.released
+        self.batches += other.batches
+        self.dead_events.extend(other.dead_events)
+
+    def summary(self) -> str:
+        return f"found={self.found} sent={self.sent} failed={self.failed} dead={self.dead}"
