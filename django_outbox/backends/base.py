@@ -64,6 +64,14 @@ class BrokerUnavailable(OutboxError):
     """The broker cannot be reached at all; nothing of the batch is in flight."""
 
 
+def describe_error(exc: BaseException) -> str:
+    """``Type: message`` of a broker library's error, for logs and ``last_error``; the type
+    is not repeated when the message already starts with it (py-amqp's do)."""
+    name = type(exc).__name__
+    text = str(exc) or name
+    return text if text.startswith(name) else f"{name}: {text}"
+
+
 class BaseBackend:
     """Base class of broker backends.
 

@@ -65,7 +65,7 @@ from django.utils.module_loading import import_string
 from ..checks import Codes
 from ..conf import outbox_settings
 from ..message import CONTENT_TYPE, encode_body, encode_headers, encode_task_envelope
-from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason
+from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -176,7 +176,7 @@ class CeleryBackend(AmqpBackend):
         except Exception as exc:
             connection.collect()
             raise BrokerUnavailable(
-                f"cannot connect to the Celery broker at {url}: {_describe(exc)}. Check the "
+                f"cannot connect to the Celery broker at {url}: {describe_error(exc)}. Check the "
                 "app's broker_url; the relay retries with backoff."
             ) from exc
         self._connection = connection
@@ -330,9 +330,9 @@ class CeleryBackend(AmqpBackend):
             isinstance(cause, connection.connection_errors) or isinstance(exc, OperationalError)
         ):
             self._release(graceful=False)
-            logger.warning("connection to the Celery broker lost: %s", _describe(cause))
+            logger.warning("connection to the Celery broker lost: %s", describe_error(cause))
             return PublishResult.failed(
-                Reason.CONNECTION_LOST, f"connection lost: {_describe(cause)}"
+                Reason.CONNECTION_LOST, f"connection lost: {describe_error(cause)}"
             )
         if connection is not None and isinstance(cause, connection.channel_errors):
             # py-amqp reopens a channel the broker closed; otherwise open a new one.
@@ -342,7 +342,7 @@ class CeleryBackend(AmqpBackend):
                     self._new_channel()
                 except Exception:
                     self._release(graceful=False)
-            return PublishResult.failed(Reason.ERROR, f"channel error: {_describe(cause)}")
+            return PublishResult.failed(Reason.ERROR, f"channel error: {describe_error(cause)}")
         if isinstance(cause, TypeError | ValueError):
             return PublishResult.failed(
                 Reason.SERIALISATION,
@@ -361,8 +361,3 @@ def _transport_name(app: celery.Celery) -> str:
     url = str(url).split(";", 1)[0]
     transport = app.conf.broker_transport or (url.split("://", 1)[0] if "://" in url else "")
     return str(transport or "amqp").split("+", 1)[0].lower()
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"

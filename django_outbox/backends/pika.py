@@ -38,7 +38,7 @@ from pika.adapters.select_connection import IOLoop, SelectConnection
 from ..conf import outbox_settings
 from ..masking import mask_url
 from ..message import CONTENT_TYPE, encode_body, encode_headers
-from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason
+from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
 
 if TYPE_CHECKING:
     from pika.channel import Channel
@@ -636,8 +636,7 @@ def _describe(error: Any) -> str:
     """A short, password-free description of a pika error."""
     if isinstance(error, pika.exceptions.ConnectionClosed | pika.exceptions.ChannelClosed):
         return f"{error.reply_code} {error.reply_text}"
-    text = str(error) or type(error).__name__
-    return f"{type(error).__name__}: {text}" if not text.startswith(type(error).__name__) else text
+    return describe_error(error)
 
 
 def _encode_error(exc: Exception) -> str:
