@@ -58,6 +58,14 @@ _MISSING: Any = object()
 
 DEFAULT_RETRY_SCHEDULE: tuple[float, ...] = (1, 5, 30, 120, 900, 3600, 21600)
 
+#: What every part that needs RabbitMQ says when OUTBOX_BROKER_URL is empty: check E005
+#: shows the two as its message and hint, the relay's backend and the consumer as one.
+BROKER_URL_EMPTY = "OUTBOX_BROKER_URL is empty: there is no RabbitMQ to connect to."
+BROKER_URL_EMPTY_HINT = (
+    "Set OUTBOX_BROKER_URL to the AMQP URL of RabbitMQ, e.g. "
+    "'amqp://user:password@rabbitmq:5672/%2F' (for instance from an environment variable)."
+)
+
 
 class OutboxSettings:
     """The settings of django_outbox, with their defaults (``OUTBOX_`` + attribute name)."""

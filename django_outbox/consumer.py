@@ -37,7 +37,7 @@ from django.db import IntegrityError, models, router, transaction
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext_lazy as _
 
-from .conf import outbox_settings
+from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from .db import tidy_connections
 from .exceptions import OutboxError, error_text
 from .message import ReceivedEvent, UndecodableMessage, decode
@@ -526,10 +526,7 @@ class Consumer:
         self.dispatcher = Dispatcher(handlers=handlers)
         self.url = url or outbox_settings.BROKER_URL
         if not self.url:
-            raise ImproperlyConfiguredHandler(
-                "OUTBOX_BROKER_URL is empty; set it to the AMQP URL of RabbitMQ, e.g. "
-                "amqp://user:password@rabbitmq:5672/%2F."
-            )
+            raise ImproperlyConfiguredHandler(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
         self.queue = queue or default_queue_name(self.dispatcher.handler_classes)
         self.dead_letter_queue = dead_letter_queue_name(self.queue)
         self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange

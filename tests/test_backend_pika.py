@@ -453,6 +453,20 @@ def test_check_reports_a_bad_broker_url(url: str, problem: str) -> None:
     assert "amqp://user:password@rabbitmq:5672/%2F" in error.hint
 
 
+def test_an_empty_broker_url_gets_the_same_message_from_the_check_relay_and_consumer() -> None:
+    from django_outbox.consumer import Consumer, ImproperlyConfiguredHandler
+
+    with override_settings(OUTBOX_BROKER_URL="", OUTBOX_BACKEND_OPTIONS={}):
+        [error] = PikaBackend.check()
+        with pytest.raises(BrokerUnavailable) as relay:
+            PikaBackend().open()
+        with pytest.raises(ImproperlyConfiguredHandler) as consumer:
+            Consumer(handlers=[])
+    said = f"{error.msg} {error.hint}"
+    assert "OUTBOX_BROKER_URL is empty" in said
+    assert str(relay.value) == str(consumer.value) == said
+
+
 @pytest.mark.parametrize(
     "url", ["amqp://guest:guest@127.0.0.1:5672/%2F", "amqps://u:p@rabbit.example:5671/prod"]
 )

@@ -35,7 +35,7 @@ from django.core.checks import CheckMessage, Error
 from pika import spec
 from pika.adapters.select_connection import IOLoop, SelectConnection
 
-from ..conf import outbox_settings
+from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..masking import mask_url
 from ..message import CONTENT_TYPE, encode_body, encode_headers
 from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
@@ -103,14 +103,7 @@ class PikaBackend(AmqpBackend):
         url = options.get("broker_url") or outbox_settings.BROKER_URL
         example = "amqp://user:password@rabbitmq:5672/%2F"
         if not url:
-            return [
-                Error(
-                    "OUTBOX_BROKER_URL is empty: the RabbitMQ backend has no broker to publish to.",
-                    hint=f"Set OUTBOX_BROKER_URL = '{example}' (for instance from an "
-                    "environment variable).",
-                    id=Codes.BROKER_URL,
-                )
-            ]
+            return [Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)]
         try:
             scheme = urlsplit(url).scheme.lower()
         except ValueError:
@@ -137,10 +130,7 @@ class PikaBackend(AmqpBackend):
     # -- connection ------------------------------------------------------------------------
     def _parameters(self) -> pika.URLParameters:
         if not self.broker_url:
-            raise BrokerUnavailable(
-                "OUTBOX_BROKER_URL is empty; set it to the AMQP URL of RabbitMQ, e.g. "
-                "amqp://user:password@rabbitmq:5672/%2F."
-            )
+            raise BrokerUnavailable(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
         try:
             params = pika.URLParameters(self.broker_url)
         except Exception as exc:
