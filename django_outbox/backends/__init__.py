@@ -12,7 +12,7 @@ from django.utils.module_loading import import_string
 
 from ..conf import outbox_settings
 from ..exceptions import ImproperlyConfiguredBackend
-from .base import BaseBackend
+from .base import BaseBackend, contract_problem
 
 
 def get_backend_class(path: str | None = None) -> type[BaseBackend]:
@@ -23,12 +23,15 @@ def get_backend_class(path: str | None = None) -> type[BaseBackend]:
         raise ImproperlyConfiguredBackend(
             f"OUTBOX_BACKEND {path!r} cannot be imported ({exc}). Use one of "
             "django_outbox.backends.pika.PikaBackend, .locmem.LocmemBackend, "
-            ".console.ConsoleBackend, or the dotted path of your own BaseBackend subclass."
+            ".console.ConsoleBackend, or the dotted path of your own backend class."
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, BaseBackend)):
         raise ImproperlyConfiguredBackend(
             f"OUTBOX_BACKEND {path!r} is not a subclass of django_outbox.backends.base.BaseBackend."
         )
+    problem = contract_problem(cls)
+    if problem:
+        raise ImproperlyConfiguredBackend(f"OUTBOX_BACKEND {path!r}: {problem}")
     return cls
 
 

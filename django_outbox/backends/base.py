@@ -1,20 +1,26 @@
 """The contract between the relay and a broker.
 
-The relay hands a backend a batch of claimed rows and gets back, for each row and in the
-same order, a :class:`PublishResult`. ``ok`` means *the broker confirmed it*: a backend
-must never report success for a message it has not seen acknowledged. Everything else is a
-failure with a :class:`Reason`, which the relay turns into a retry or, for connection-level
-reasons, into a pause of the whole relay that does not count against the row.
+The relay hands a backend batches of claimed rows with :meth:`BaseBackend.send` and
+collects, with :meth:`BaseBackend.wait`, one :class:`PublishResult` per row in the same
+order. ``ok`` means *the broker confirmed it*: a backend must never report success for a
+message it has not seen acknowledged. Everything else is a failure with a :class:`Reason`,
+which the relay turns into a retry or, for connection-level reasons, into a pause of the
+whole relay that does not count against the row.
+
+A backend that can only publish a batch and wait for it in one call derives from
+:class:`SyncBackend` and implements :meth:`SyncBackend.publish`; the adapter gives the relay
+``send``/``wait``/``abandon`` on top of it.
 """
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.core.checks import CheckMessage
 from django.utils.module_loading import import_string
@@ -72,15 +78,35 @@ def describe_error(exc: BaseException) -> str:
     return text if text.startswith(name) else f"{name}: {text}"
 
 
-class BaseBackend:
-    """Base class of broker backends.
+_Backend = TypeVar("_Backend", bound="BaseBackend")
 
-    Subclasses implement :meth:`publish` (and may split it into :meth:`send` and
-    :meth:`wait`); :meth:`open` and :meth:`close` manage the
-    connection and must be safe to call more than once. A backend is used by one thread.
+
+class BaseBackend(abc.ABC):
+    """The one contract of broker backends: :meth:`send`, :meth:`wait`, :meth:`abandon`
+    and :attr:`confirm_timeout`.
+
+    The relay may send the next batch before it waits for the previous one, and between
+    the calls it settles earlier batches and claims the next, so its database work and the
+    broker's overlap. :meth:`open` and :meth:`close` manage the connection and must be safe
+    to call more than once. A backend is used by one thread.
+
+    A backend that publishes a batch and waits for it in one call derives from
+    :class:`SyncBackend` instead and implements :meth:`SyncBackend.publish` only.
     """
 
-    _sent: deque[list[OutboxEvent]] | None = None  # batches given to send(), for wait()
+    #: The longest :meth:`wait` may take for one batch, in seconds from its :meth:`send`.
+    #: A batch claimed ahead is sent only while its lease still covers this (plus a
+    #: margin), so no other relay takes its rows over while its confirms are on the way.
+    #: 0.0 for a backend whose results are ready as soon as they are asked for.
+    confirm_timeout: float = 0.0
+
+    def __new__(cls: type[_Backend], *args: Any, **kwargs: Any) -> _Backend:
+        # Before object.__new__ refuses an abstract class with Python's generic message:
+        # say which methods are missing and which base class provides them.
+        problem = contract_problem(cls)
+        if problem:
+            raise TypeError(problem)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -105,13 +131,14 @@ class BaseBackend:
         )
 
     # -- connection ------------------------------------------------------------------------
-    def open(self) -> None:
+    # Optional, unlike the methods below: a backend with no connection has nothing to do.
+    def open(self) -> None:  # noqa: B027
         """Connect; raise BrokerUnavailable if the broker cannot be reached."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027
         """Disconnect, waiting for nothing; safe to call when not open."""
 
-    def __enter__(self) -> BaseBackend:
+    def __enter__(self: _Backend) -> _Backend:
         self.open()
         return self
 
@@ -124,38 +151,35 @@ class BaseBackend:
         self.close()
 
     # -- publishing ------------------------------------------------------------------------
-    def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
-        """Publish a batch and wait for its confirms; one result per event, same order.
-
-        Raise BrokerUnavailable only when nothing could be sent (e.g. cannot connect); once
-        messages are in flight, report the unconfirmed ones as CONNECTION_LOST instead.
-        """
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def send(self, events: Sequence[OutboxEvent]) -> None:
         """Start publishing a batch; :meth:`wait` returns its results.
 
-        The relay may send the next batch before it waits for this one, and between the
-        calls it settles earlier batches and claims the next, so its database work and the
-        broker's overlap. :meth:`wait` returns the results of the batches in the order they
-        were sent. The default defers everything to :meth:`publish` in ``wait``; a backend
-        with asynchronous confirms overrides both. Either may raise what :meth:`publish`
-        raises.
+        Raise BrokerUnavailable only when nothing of the batch could be sent (e.g. cannot
+        connect); once messages are in flight, report the unconfirmed ones as
+        CONNECTION_LOST from :meth:`wait` instead.
         """
-        if self._sent is None:
-            self._sent = deque()
-        self._sent.append(list(events))
 
+    @abc.abstractmethod
     def wait(self) -> list[PublishResult]:
-        """The results of the oldest batch given to :meth:`send` (as :meth:`publish`)."""
-        if not self._sent:
-            return []
-        return self.publish(self._sent.popleft())
+        """The results of the oldest batch given to :meth:`send` and not yet waited for:
+        one per event, in its order (``[]`` when none is in flight). Blocks until each is
+        confirmed or failed, at most :attr:`confirm_timeout` after that batch's send.
+        May raise what :meth:`send` raises."""
 
+    @abc.abstractmethod
     def abandon(self) -> None:
         """Forget the batches sent and not yet waited for: the relay stopped on an error
-        with batches in flight. Their rows stay claimed until their lease runs out."""
-        self._sent = None
+        with batches in flight. Their rows stay claimed until their lease runs out, and
+        confirms still to come for them must not be taken for a later batch's."""
+
+    def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
+        """One batch from start to end, :meth:`send` then :meth:`wait`, with no other batch
+        in flight: for tests and scripts. The relay never calls it."""
+        if not events:
+            return []
+        self.send(events)
+        return self.wait()
 
     def routing_key(self, event: OutboxEvent) -> str:
         if self._routing_key_func is not None:
@@ -167,6 +191,80 @@ class BaseBackend:
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
         """Configuration problems of this backend, reported by ``manage.py check``."""
         return []
+
+
+class SyncBackend(BaseBackend):
+    """The adapter for a backend that publishes a batch and waits for its confirms in one
+    call: implement :meth:`publish` and the relay gets the contract on top of it.
+
+    :meth:`send` only queues the batch and :meth:`wait` publishes the oldest queued one, so
+    nothing reaches the broker before the relay asks for the results: the broker does not
+    work while the relay settles and claims, as it does with a pipelined backend. Set
+    :attr:`confirm_timeout` to the longest :meth:`publish` waits for a broker (it is 0.0,
+    for backends that answer at once such as locmem and console).
+    """
+
+    _sent: deque[list[OutboxEvent]] | None = None  # batches given to send(), for wait()
+
+    @abc.abstractmethod
+    def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
+        """Publish a batch and wait for its confirms; one result per event, same order.
+
+        Raise BrokerUnavailable only when nothing could be sent (e.g. cannot connect); once
+        messages are in flight, report the unconfirmed ones as CONNECTION_LOST instead.
+        """
+
+    def send(self, events: Sequence[OutboxEvent]) -> None:
+        if self._sent is None:
+            self._sent = deque()
+        self._sent.append(list(events))
+
+    def wait(self) -> list[PublishResult]:
+        if not self._sent:
+            return []
+        return self.publish(self._sent.popleft())
+
+    def abandon(self) -> None:
+        self._sent = None
+
+
+def contract_problem(cls: type[BaseBackend]) -> str:
+    """Why ``cls`` cannot serve the relay, saying what to change; ``""`` when it can."""
+    name = cls.__qualname__
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        if missing == ["abandon", "send", "wait"] and _owner(cls, "publish") is not BaseBackend:
+            return (
+                f"{name} implements publish() only, but the relay calls send(), wait() and "
+                "abandon(). Derive it from django_outbox.backends.base.SyncBackend instead of "
+                "BaseBackend: SyncBackend implements them on top of publish()."
+            )
+        return (
+            f"{name} does not implement {', '.join(f'{m}()' for m in missing)} of the backend "
+            "contract. Derive a backend from django_outbox.backends.base.SyncBackend and "
+            "implement publish() (send a batch, return its results), or from BaseBackend and "
+            "implement send(), wait() and abandon() (docs/relay.md, 'Writing a backend')."
+        )
+    if issubclass(cls, SyncBackend):
+        return ""
+    publisher = _owner(cls, "publish")
+    for method in ("send", "wait"):
+        owner = _owner(cls, method)
+        if publisher is not owner and issubclass(publisher, owner):
+            return (
+                f"{name} overrides publish(), but the relay never calls it: it sends batches "
+                f"with {owner.__qualname__}.send() and collects them with wait(), so the "
+                "override would be skipped. Override send(), wait() and abandon() instead (a "
+                "wrapper delegates them to the backend it wraps), or derive from "
+                "django_outbox.backends.base.SyncBackend if publishing a batch in one call is "
+                "all it does."
+            )
+    return ""
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO whose body defines ``name``."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
 
 
 class AmqpBackend(BaseBackend):

@@ -65,7 +65,14 @@ from django.utils.module_loading import import_string
 from ..checks import Codes
 from ..conf import outbox_settings
 from ..message import CONTENT_TYPE, encode_body, encode_headers, encode_task_envelope
-from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
+from .base import (
+    AmqpBackend,
+    BrokerUnavailable,
+    PublishResult,
+    Reason,
+    SyncBackend,
+    describe_error,
+)
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -91,7 +98,7 @@ def load_app(path: str | celery.Celery | None = None) -> celery.Celery:
     return app
 
 
-class CeleryBackend(AmqpBackend):
+class CeleryBackend(SyncBackend, AmqpBackend):
     """Publish through the project's Celery app: task messages or plain outbox messages.
 
     Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting: ``app``

@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 from ..message import encode_body, encode_headers
-from .base import BaseBackend, PublishResult
+from .base import PublishResult, SyncBackend
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
 
 
-class ConsoleBackend(BaseBackend):
+class ConsoleBackend(SyncBackend):
     def __init__(self, *, stream: IO[str] | None = None, **options: Any) -> None:
         super().__init__(**options)
         self.stream = stream or sys.stdout

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..message import CONTENT_TYPE, encode_body, encode_headers
-from .base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+from .base import BrokerUnavailable, PublishResult, Reason, SyncBackend
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -48,7 +48,7 @@ def reset() -> None:
         unavailable = False
 
 
-class LocmemBackend(BaseBackend):
+class LocmemBackend(SyncBackend):
     def open(self) -> None:
         if unavailable:
             raise BrokerUnavailable("locmem broker marked unavailable")

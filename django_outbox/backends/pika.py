@@ -5,9 +5,10 @@ broker's ``basic.ack``/``basic.nack`` frames (``multiple=True`` included) are ma
 to the rows by delivery tag. pika's ``BlockingConnection`` cannot do that (with
 ``confirm_delivery()`` each ``basic_publish`` waits for its own confirm, one round trip per
 message), so this backend uses the asynchronous ``SelectConnection`` and drives its I/O
-loop from the calling thread: :meth:`PikaBackend.publish` writes the batch, runs the loop
-until every message is settled or the confirm timeout passes, and stops it again. No
-thread is started; between batches the connection simply waits.
+loop from the calling thread: :meth:`PikaBackend.send` writes a batch, and
+:meth:`PikaBackend.wait` runs the loop until every message of it is settled or the confirm
+timeout passes, and stops it again. No thread is started; between batches the connection
+simply waits.
 
 Outcome of each message (see ``docs/relay.md``, "The RabbitMQ backend"):
 
@@ -16,7 +17,7 @@ Outcome of each message (see ``docs/relay.md``, "The RabbitMQ backend"):
 * ``basic.nack``: NACKED (e.g. a queue with ``x-overflow: reject-publish`` is full);
 * nothing within ``confirm_timeout``: TIMEOUT;
 * the connection or channel went away first: CONNECTION_LOST, and the next
-  :meth:`~PikaBackend.publish` reconnects.
+  :meth:`~PikaBackend.send` reconnects.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ class Relay:
         with too little lease left, another relay could take it over while its own confirms
         are still coming back.
         """
-        timeout = float(getattr(self.backend, "confirm_timeout", 0.0))
+        timeout = self.backend.confirm_timeout
         return time.monotonic() - batch.claimed_at < self.lease_seconds - timeout - LEASE_MARGIN
 
     # -- passes ------------------------------------------------------------------------------

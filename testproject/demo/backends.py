@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from django_outbox.backends import get_backend
-from django_outbox.backends.base import BaseBackend, PublishResult
+from django_outbox.backends.base import PublishResult, SyncBackend
 
 if TYPE_CHECKING:
     from django_outbox.models import OutboxEvent
@@ -33,7 +33,7 @@ PAUSE_FILE_ENV = "DEMO_PAUSE_FILE"
 PAUSE_LIMIT = 120.0  # seconds; the demo kills the process long before
 
 
-class DemoRelayBackend(BaseBackend):
+class DemoRelayBackend(SyncBackend):
     def __init__(self, **options: Any) -> None:
         inner_path = os.environ.get(INNER_ENV) or "demo.broker.InProcessBrokerBackend"
         if os.environ.get(EXCHANGE_ENV):

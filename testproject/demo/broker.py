@@ -32,7 +32,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING, Any
 
-from django_outbox.backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
+from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason, SyncBackend
 from django_outbox.conf import outbox_settings
 from django_outbox.message import CONTENT_TYPE, encode_body, encode_headers
 
@@ -175,7 +175,7 @@ def _from_wire(message: dict[str, Any]) -> Delivery:
     )
 
 
-class InProcessBrokerBackend(BaseBackend):
+class InProcessBrokerBackend(SyncBackend):
     """Publishes to the demo's :class:`InProcessBroker` and waits for its confirm.
 
     ``address`` (host:port) and ``authkey`` (hex) default to the environment variables the
