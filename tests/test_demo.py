@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pika
 import pytest
 
+from demo import backends
+from demo.backends import DemoRelayBackend
 from demo.broker import InProcessBroker, InProcessBrokerBackend
 from demo.scenario import Figures, Tally, reconcile
-from django_outbox.backends.base import BrokerUnavailable
+from django_outbox import outbox
+from django_outbox.backends.base import BaseBackend, BrokerUnavailable, PublishResult
 from django_outbox.consumer import ConsumeResult, Outcome
 from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay import Relay
 from points.models import PointsLedger
 from tests.consumer_utils import make_event
 from tests.utils.subprocess import MANAGE, django_env
@@ -221,6 +227,65 @@ def test_in_process_broker_backend_failures():
     backend.close()
     with pytest.raises(BrokerUnavailable, match="only works in the relay processes"):
         InProcessBrokerBackend(address="", authkey="").open()
+
+
+class Pipelined(BaseBackend):
+    """A pipelined inner backend that notes each call, and whether the demo's pause file
+    existed by then."""
+
+    pause_file = ""
+    confirm_timeout = 4.0
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.batches: list[list[str]] = []
+        self.calls: list[tuple[str, bool]] = []
+
+    def _note(self, call: str) -> None:
+        self.calls.append((call, os.path.exists(self.pause_file)))
+
+    def send(self, events: Sequence[OutboxEvent]) -> None:
+        self._note("send")
+        self.batches.append([e.event_id for e in events])
+
+    def wait(self) -> list[PublishResult]:
+        self._note("wait")
+        return [PublishResult.sent() for _ in self.batches.pop(0)] if self.batches else []
+
+    def abandon(self) -> None:
+        self.batches.clear()
+
+
+@pytest.mark.django_db
+def test_demo_relay_backend_keeps_the_pipeline_and_pauses_once_batch_n_is_confirmed(
+    monkeypatch, tmp_path
+):
+    """The relay sends batch N+1 before it waits for N: the demo's backend waits for N
+    itself and pauses before N+1 reaches the broker, so the killed relay leaves exactly
+    batch N confirmed and unsettled."""
+    paused = tmp_path / "relay.paused"
+    monkeypatch.setenv(backends.INNER_ENV, f"{__name__}.Pipelined")
+    monkeypatch.setenv(backends.PAUSE_AFTER_ENV, "2")
+    monkeypatch.setenv(backends.PAUSE_FILE_ENV, str(paused))
+    monkeypatch.setattr(backends, "PAUSE_LIMIT", 0)  # nobody kills this one: go on
+    monkeypatch.setattr(Pipelined, "pause_file", str(paused))
+    with outbox.atomic() as box:
+        for i in range(50):
+            box.emit("ORDER_CREATED", aggregate_type="ORDER", aggregate_id=str(i), payload={})
+    backend = DemoRelayBackend()
+    inner = backend.inner
+    assert isinstance(inner, Pipelined)
+    assert backend.confirm_timeout == 4.0
+    result = Relay(backend=backend, batch_size=10, lease_seconds=60, db_thread=False).drain()
+    assert (result.sent, result.batches) == (50, 5)
+    calls = [call for call, _ in inner.calls]
+    assert calls[:3] == ["send", "send", "wait"]  # two batches in flight: the pipeline
+    before = [call for call, after in inner.calls if not after]
+    assert before == ["send", "send", "wait", "wait"]  # batches 1 and 2 confirmed, 3 unsent
+    report = json.loads(paused.read_text())
+    second = OutboxEvent.objects.order_by("id").values_list("event_id", flat=True)[10:20]
+    assert report["batch"] == 2
+    assert report["confirmed"] == list(second)
 
 
 def _client(broker: InProcessBroker) -> dict[str, str]:
