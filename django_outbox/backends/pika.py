@@ -34,8 +34,9 @@ import pika
 import pika.exceptions
 from django.core.checks import CheckMessage, Error
 from pika import spec
-from pika.adapters.select_connection import IOLoop, SelectConnection
+from pika.adapters.select_connection import SelectConnection
 
+from .._compat.pika import CoalescingConnection, HandTurnedLoop
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..masking import mask_url
 from ..message import CONTENT_TYPE, encode_body, encode_headers
@@ -81,8 +82,8 @@ class PikaBackend(AmqpBackend):
         self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
         self.masked_url = mask_url(self.broker_url)
 
-        self._ioloop: IOLoop | None = None
-        self._connection: _CoalescingConnection | None = None
+        self._loop: HandTurnedLoop | None = None
+        self._connection: CoalescingConnection | None = None
         self._channel: Channel | None = None
         self._ready = False  # channel open, in confirm mode, exchange declared
         self._open_error: str = ""  # why the connection/channel could not be opened
@@ -153,9 +154,8 @@ class PikaBackend(AmqpBackend):
         if self._ready and self._usable():
             return
         params = self._parameters()
-        if self._ioloop is None:
-            self._ioloop = IOLoop()
-            self._ioloop.activate_poller()  # for as long as the loop lives: see _run()
+        if self._loop is None:
+            self._loop = HandTurnedLoop()
         self._ready = False
         self._open_error = ""
         if self._connection is not None and self._connection.is_open:
@@ -164,12 +164,12 @@ class PikaBackend(AmqpBackend):
         else:
             self._teardown()
             self._blocked = False
-            self._connection = _CoalescingConnection(
+            self._connection = CoalescingConnection(
                 parameters=params,
                 on_open_callback=self._on_connection_open,
                 on_open_error_callback=self._on_connection_open_error,
                 on_close_callback=self._on_connection_closed,
-                custom_ioloop=self._ioloop,
+                custom_ioloop=self._loop.ioloop,
             )
         started = time.monotonic()
         settled = self._run(lambda: self._ready or bool(self._open_error), self.connect_timeout)
@@ -203,9 +203,9 @@ class PikaBackend(AmqpBackend):
                 self._connection = connection
                 self._run(lambda: connection.is_closed, CLOSE_TIMEOUT)
                 self._connection = None
-        if self._ioloop is not None:
-            self._ioloop.close()
-            self._ioloop = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
     def _usable(self) -> bool:
         return (
@@ -303,40 +303,18 @@ class PikaBackend(AmqpBackend):
         logger.info("RabbitMQ unblocked the connection to %s", self.masked_url)
 
     # -- running the I/O loop ---------------------------------------------------------------
-    # The loop is turned by hand (poll, then due timers and callbacks) rather than with
-    # IOLoop.start()/stop(): start() builds and registers a new epoll object each time and
-    # stop() writes to a wake-up socket, a handful of system calls per turn, and the relay
-    # turns the loop several times per batch.
+    # By hand, on this thread (see django_outbox._compat.pika.HandTurnedLoop).
     def _run(self, done: Callable[[], bool], timeout: float) -> bool:
         """Run pika's I/O loop on this thread until ``done()`` or ``timeout`` seconds."""
-        ioloop = self._ioloop
-        if ioloop is None:
+        if self._loop is None:
             return done()
-        deadline = time.monotonic() + timeout
-        # Bounds each poll's wait: without a timer due sooner, pika polls for up to 5 s.
-        timer = ioloop.call_later(max(timeout, 0.0), _nothing)
-        try:
-            while not done():
-                if time.monotonic() >= deadline:
-                    return False
-                ioloop.poll()
-                ioloop.process_timeouts()
-        finally:
-            ioloop.remove_timeout(timer)
-        return True
+        return self._loop.run_until(done, timeout)
 
     def _poll(self) -> None:
         """Handle whatever has arrived (confirms, a close, a blocked notice, heartbeats)
         without waiting."""
-        ioloop = self._ioloop
-        if ioloop is None or self._connection is None:
-            return
-        timer = ioloop.call_later(0, _nothing)  # a poll that does not wait
-        try:
-            ioloop.poll()
-            ioloop.process_timeouts()
-        finally:
-            ioloop.remove_timeout(timer)
+        if self._loop is not None and self._connection is not None:
+            self._loop.poll()
 
     # -- publishing ------------------------------------------------------------------------
     def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
@@ -517,35 +495,6 @@ class PikaBackend(AmqpBackend):
                 return
 
 
-class _CoalescingConnection(SelectConnection):
-    """A SelectConnection that, between :meth:`coalesce` and :meth:`flush`, gathers the
-    frames it would write and hands them to the socket as one write.
-
-    pika writes each frame on its own (three per message: method, header, body), one
-    ``send()`` system call each; a batch written in one piece costs the relay, and the
-    broker reading it, a fraction of that. Frames keep their order; anything pika writes
-    meanwhile (a heartbeat, a channel method) joins the same buffer in turn.
-    """
-
-    _gathered: list[bytes] | None = None
-
-    def coalesce(self) -> None:
-        if self._gathered is None:
-            self._gathered = []
-
-    def flush(self) -> None:
-        gathered, self._gathered = self._gathered, None
-        # Closed meanwhile: what was gathered is never confirmed, like any unsent message.
-        if gathered and not (self.is_closed or self.is_closing):
-            super()._adapter_emit_data(b"".join(gathered))
-
-    def _adapter_emit_data(self, data: bytes) -> None:
-        if self._gathered is not None:
-            self._gathered.append(data)
-        else:
-            super()._adapter_emit_data(data)
-
-
 class _Batch:
     """One batch written to the channel and not yet collected by ``wait()``.
 
@@ -617,10 +566,6 @@ class _Batch:
             if self.results[index] is None:
                 self.results[index] = failure
                 self.unsettled -= 1
-
-
-def _nothing() -> None:
-    """A timer's callback that only bounds how long the I/O loop waits."""
 
 
 def _describe(error: Any) -> str:
