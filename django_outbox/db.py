@@ -12,6 +12,8 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.models.functions import Now
 
+from ._compat.django import forget_connection
+
 
 class DbNow(Now):
     """``Now()`` that is UTC on MySQL/MariaDB too.
@@ -71,18 +73,7 @@ def _forget_stuck_transaction(conn: Any) -> None:
     "Cannot open a new connection in an atomic block", for good. Only called between
     passes, outside any ``atomic()``: forget the state and the connection.
     """
-    with suppress(DatabaseError):
-        conn.close()  # inside a transaction Django only flags it as closed
-    with suppress(DatabaseError):
-        if conn.connection is not None:
-            conn._close()
-    conn.connection = None
-    conn.in_atomic_block = False
-    conn.savepoint_ids = []
-    conn.atomic_blocks = []
-    conn.needs_rollback = False
-    conn.closed_in_transaction = False
-    conn.commit_on_exit = True
+    forget_connection(conn)
 
 
 # -- run-once locks ----------------------------------------------------------------------------

@@ -26,9 +26,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, models, transaction
-from django.db.models.base import ModelState
 
 from . import ordering
+from ._compat.django import build_rows
 from .db import DbNow
 from .exceptions import error_text
 from .states import Status
@@ -185,40 +185,13 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         Built as ``Model.from_db()`` would build them (the field converters applied, the
         other columns deferred, ``_state`` of a loaded row) but without ``Model.__init__``,
         its per-field work and ``pre_init``/``post_init`` signals: with them, building the
-        instances took twice as long as running the claim and reading its rows.
+        instances took twice as long as running the claim and reading its rows. That relies
+        on Django internals, kept in :func:`django_outbox._compat.django.build_rows`.
         """
-        model = self.model
-        connection = connections[self.db]
-        with connection.cursor() as cursor:
+        with connections[self.db].cursor() as cursor:
             cursor.execute(sql, params)
             records = cursor.fetchall()
-        if not records:
-            return []
-        fields: list[Any] = [model._meta.get_field(name) for name in CLAIM_FIELDS]
-        attnames = [field.attname for field in fields]
-        converters = []
-        for index, field in enumerate(fields):
-            column = field.get_col(model._meta.db_table)
-            functions = connection.ops.get_db_converters(column) + field.get_db_converters(
-                connection
-            )
-            if functions:
-                converters.append((index, functions, column))
-        rows: list[OutboxEvent] = []
-        for record in records:
-            values = list(record)
-            for index, functions, column in converters:
-                value = values[index]
-                for function in functions:
-                    value = function(value, column, connection)
-                values[index] = value
-            row = model.__new__(model)
-            row.__dict__.update(zip(attnames, values, strict=True))
-            row._state = ModelState()
-            row._state.adding = False
-            row._state.db = self.db
-            rows.append(row)
-        return rows
+        return build_rows(self.model, self.db, CLAIM_FIELDS, records)
 
     def _previous_sequences(self, rows: list[OutboxEvent], ordered: bool | Sequence[str]) -> None:
         """Set ``previous_sequence`` on the claimed ordered heads (the relay sends it).
