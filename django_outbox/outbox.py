@@ -25,6 +25,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, models, router, transaction
 from django.utils import timezone
 
+from ._compat.django import innermost_atomic
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
 from .message import RESERVED_HEADERS
@@ -278,8 +279,8 @@ class Outbox:
             _insert(events, self.using)
 
     def _is_innermost(self) -> bool:
-        blocks = connections[self.using].atomic_blocks
-        return bool(blocks) and blocks[-1] is self._atomic
+        block = innermost_atomic(connections[self.using])
+        return block is not None and block is self._atomic
 
 
 @contextmanager

@@ -9,6 +9,8 @@
 * :func:`forget_connection`: a connection's transaction bookkeeping (attributes of
   ``BaseDatabaseWrapper`` that Django documents nowhere) reset, as ``connect()`` resets it,
   after its private ``_close()``.
+* :func:`innermost_atomic`: the ``Atomic`` block a connection is in, from its undocumented
+  ``atomic_blocks`` stack.
 """
 
 from __future__ import annotations
@@ -75,3 +77,10 @@ def forget_connection(conn: Any) -> None:
     conn.needs_rollback = False
     conn.closed_in_transaction = False
     conn.commit_on_exit = True
+
+
+def innermost_atomic(conn: Any) -> Any:
+    """The ``Atomic`` instance of the innermost ``atomic()`` block open on ``conn`` (a
+    ``BaseDatabaseWrapper``), or None outside any."""
+    blocks = conn.atomic_blocks
+    return blocks[-1] if blocks else None
