@@ -77,6 +77,9 @@ def forget_connection(conn: Any) -> None:
     conn.needs_rollback = False
     conn.closed_in_transaction = False
     conn.commit_on_exit = True
+    # close() drops the dead transaction's on_commit hooks, except where it does nothing
+    # (an in-memory SQLite database): a later commit must not run them.
+    conn.run_on_commit = []
 
 
 def innermost_atomic(conn: Any) -> Any:
