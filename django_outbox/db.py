@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db.models.functions import Now
 
-from ._compat.django import forget_connection
+from ._compat.django import clear_errors, forget_connection, had_errors
 
 
 class DbNow(Now):
@@ -52,9 +52,9 @@ def tidy_connections() -> None:
             continue
         if conn.get_autocommit() != conn.settings_dict["AUTOCOMMIT"]:
             conn.close()  # left in a transaction by a failure: start clean
-        elif conn.errors_occurred:
+        elif had_errors(conn):
             if conn.is_usable():
-                conn.errors_occurred = False
+                clear_errors(conn)
             else:
                 # The driver may refuse to close a dead socket (MySQL error 2006); Django
                 # forgets the connection either way, which is all that is needed here.

@@ -20,14 +20,20 @@ from typing import Any
 import django
 import pika
 import pytest
-from django.db import DEFAULT_DB_ALIAS, connection, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
 from pika.adapters.base_connection import BaseConnection
 from pika.adapters.select_connection import IOLoop
 
 from django_outbox import outbox
 from django_outbox._compat import django as compat_django
 from django_outbox._compat import pika as compat_pika
-from django_outbox._compat.django import build_rows, forget_connection, innermost_atomic
+from django_outbox._compat.django import (
+    build_rows,
+    clear_errors,
+    forget_connection,
+    had_errors,
+    innermost_atomic,
+)
 from django_outbox._compat.pika import CoalescingConnection, HandTurnedLoop
 from django_outbox.models import OutboxEvent
 from django_outbox.querysets import CLAIM_FIELDS
@@ -305,6 +311,23 @@ def test_the_database_backend_can_drop_its_connection_without_a_word() -> None:
         callable(getattr(type(connections[DEFAULT_DB_ALIAS]), "_close", None)),
         f"{type(connections[DEFAULT_DB_ALIAS]).__module__}.DatabaseWrapper has no _close()",
         CONNECTION,
+    )
+
+
+@pytest.mark.django_db
+def test_a_database_error_flags_its_connection_until_cleared() -> None:
+    """tidy_connections() checks a connection that raised, and only that one."""
+    connection.ensure_connection()
+    clear_errors(connection)
+    flagged_before = had_errors(connection)
+    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT no_such_column FROM no_such_table")
+    flagged = had_errors(connection)
+    clear_errors(connection)
+    django_requires(
+        (flagged_before, flagged, had_errors(connection)) == (False, True, False),
+        "errors_occurred is no longer set by a database error, or no longer cleared",
+        "DatabaseErrorWrapper.__exit__() (django/db/utils.py) and close_if_unusable_or_obsolete()",
     )
 
 

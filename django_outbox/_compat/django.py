@@ -9,6 +9,8 @@
 * :func:`forget_connection`: a connection's transaction bookkeeping (attributes of
   ``BaseDatabaseWrapper`` that Django documents nowhere) reset, as ``connect()`` resets it,
   after its private ``_close()``.
+* :func:`had_errors` and :func:`clear_errors`: the undocumented flag Django's error
+  wrapper sets on a connection that raised a database error.
 * :func:`innermost_atomic`: the ``Atomic`` block a connection is in, from its undocumented
   ``atomic_blocks`` stack.
 """
@@ -80,6 +82,17 @@ def forget_connection(conn: Any) -> None:
     # close() drops the dead transaction's on_commit hooks, except where it does nothing
     # (an in-memory SQLite database): a later commit must not run them.
     conn.run_on_commit = []
+
+
+def had_errors(conn: Any) -> bool:
+    """Whether a database error was raised through ``conn`` (a ``BaseDatabaseWrapper``)
+    since :func:`clear_errors`; ``close_if_unusable_or_obsolete()`` reads the same flag."""
+    return bool(conn.errors_occurred)
+
+
+def clear_errors(conn: Any) -> None:
+    """``conn`` was checked after its errors and still works."""
+    conn.errors_occurred = False
 
 
 def innermost_atomic(conn: Any) -> Any:
