@@ -1,4 +1,8 @@
-"""System checks. Ids are stable: tests and users' SILENCED_SYSTEM_CHECKS rely on them."""
+"""System checks, one small function per concern.
+
+Ids are stable: tests and users' SILENCED_SYSTEM_CHECKS rely on them, and docs/settings.md
+lists every one. A new problem gets a new id; an id is never reused for another problem.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from .conf import OutboxSettings, outbox_settings
+from .conf import PREFIX, OutboxSettings, outbox_settings
 from .exceptions import ImproperlyConfiguredBackend
 
 
@@ -19,7 +23,7 @@ class Codes:
     RETRY_SCHEDULE = "django_outbox.E002"
     NO_SKIP_LOCKED = "django_outbox.E003"
     SQLITE = "django_outbox.W004"
-    BROKER_URL = "django_outbox.E005"
+    BROKER_URL = "django_outbox.E005"  # reported by backends.pika.PikaBackend.check()
     UNKNOWN_SETTING = "django_outbox.W006"
     NUMBERS = "django_outbox.E007"
     LEASE = "django_outbox.E008"
@@ -28,6 +32,7 @@ class Codes:
     RETENTION = "django_outbox.W011"
     ORDERED_ISOLATION = "django_outbox.W012"
     CELERY_APP = "django_outbox.E013"  # reported by backends.celery.CeleryBackend.check()
+    ORDERED_DEAD_HEAD = "django_outbox.E014"  # split from E009, which named two problems
 
 
 class Messages:
@@ -60,30 +65,63 @@ class Messages:
 
 
 class Hints:
-    RETRY_SCHEDULE = "For example OUTBOX_RETRY_SCHEDULE = [1, 5, 30, 120, 900, 3600, 21600]."
-    NO_SKIP_LOCKED = "Upgrade to PostgreSQL, MySQL 8.0.1+ or MariaDB 10.6+."
-    SQLITE = (
-        "Use PostgreSQL or MySQL/MariaDB in production; SQLite is fine for development and "
-        "the demo. Silence with SILENCED_SYSTEM_CHECKS = ['django_outbox.W004']."
+    """Each hint is one edit that makes the check pass."""
+
+    BACKEND = (
+        "Set OUTBOX_BACKEND to 'django_outbox.backends.pika.PikaBackend' (the default) or "
+        "to the dotted path of your BaseBackend subclass."
     )
-    UNKNOWN_SETTING = "Did you mean {suggestion}? See docs/settings.md for every setting."
-    UNKNOWN_SETTING_NONE = "See docs/settings.md for every setting."
-    NUMBERS = "Fix {name} in your settings (docs/settings.md has the default)."
-    LEASE = "Raise OUTBOX_LEASE_SECONDS (default 60) or lower OUTBOX_CONFIRM_TIMEOUT (10)."
-    ORDERED = "For example OUTBOX_ORDERED = ['ORDER_CREATED', 'ORDER_PAID'] or True."
+    RETRY_SCHEDULE = (
+        "Set OUTBOX_RETRY_SCHEDULE = [1, 5, 30, 120, 900, 3600, 21600] (the default) or "
+        "another list of positive seconds."
+    )
+    NO_SKIP_LOCKED = "Upgrade the database server to MySQL 8.0.1+ or MariaDB 10.6+."
+    SQLITE = (
+        "In production set DATABASES[{alias!r}] to PostgreSQL or MySQL/MariaDB; on a "
+        "development machine add 'django_outbox.W004' to SILENCED_SYSTEM_CHECKS."
+    )
+    UNKNOWN_SETTING = "Rename {name} to {suggestion}."
+    UNKNOWN_SETTING_NONE = "Remove {name}; docs/settings.md lists every setting."
+    NUMBERS = "Set {name} to {rule} such as {default!r} (the default)."
+    LEASE = "Set OUTBOX_LEASE_SECONDS above {timeout}, e.g. OUTBOX_LEASE_SECONDS = {lease:g}."
+    ORDERED = "Set OUTBOX_ORDERED = True, or a list of types such as ['ORDER_CREATED']."
     ORDERED_DEAD_HEAD = (
-        "Use 'block' (the default: later events wait until the dead one is requeued) or "
-        "'skip' (they go ahead, and the dead-letter alert says so)."
+        "Set OUTBOX_ORDERED_DEAD_HEAD = 'block' (the default: later events wait until the "
+        "dead one is requeued) or 'skip' (they go ahead, and the dead-letter alert says so)."
     )
     ORDERED_ISOLATION = (
         "Remove 'isolation_level' from DATABASES[{alias!r}]['OPTIONS'] (Django's default is "
         "'read committed') or set it to 'read committed'."
     )
     ALERTS = (
-        "Each entry is {'BACKEND': 'django_outbox.alerts.LoggingChannel', 'OPTIONS': {}}; "
-        "see docs/operations.md."
+        "Write entry {index} as {{'BACKEND': 'django_outbox.alerts.LoggingChannel', "
+        "'OPTIONS': {{}}}} or as another channel of docs/operations.md."
+    )
+    ALERTS_NOT_A_LIST = (
+        "Set OUTBOX_ALERTS = [{'BACKEND': 'django_outbox.alerts.LoggingChannel'}] (the "
+        "default) or another list of channels of docs/operations.md."
     )
     RETENTION = "Set OUTBOX_RETENTION_DAYS to 3 or more (default 7)."
+
+
+#: Settings that must be positive: name without the prefix, and whether whole numbers only.
+POSITIVE_SETTINGS: tuple[tuple[str, bool], ...] = (
+    ("BATCH_SIZE", True),
+    ("COMPENSATE_MAX_BATCH", True),
+    ("PURGE_BATCH_SIZE", True),
+    ("MAX_PAYLOAD_BYTES", True),
+    ("CONSUMER_PREFETCH", True),
+    ("POLL_INTERVAL", False),
+    ("LEASE_SECONDS", False),
+    ("CONFIRM_TIMEOUT", False),
+    ("COMPENSATE_STALE_AFTER", False),
+    ("COMPENSATE_RETRY_DELAY", False),
+    ("RETENTION_DAYS", False),
+)
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _outbox_aliases(databases: Iterable[str] | None) -> list[str]:
@@ -100,116 +138,94 @@ def check_backend(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     try:
         backend_class = get_backend_class()
     except ImproperlyConfiguredBackend as exc:
-        return [
-            Error(
-                str(exc),
-                hint="Set OUTBOX_BACKEND to a valid dotted path.",
-                id=Codes.BACKEND,
-            )
-        ]
+        return [Error(str(exc), hint=Hints.BACKEND, id=Codes.BACKEND)]
     return list(backend_class.check(**kwargs))
 
 
 @register()
-def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    errors: list[CheckMessage] = []
+def check_retry_schedule(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     schedule = outbox_settings.RETRY_SCHEDULE
-    if (
-        isinstance(schedule, (str, bytes))
-        or not isinstance(schedule, (list, tuple))
-        or not schedule
-        or not all(_positive(v) for v in schedule)
-    ):
-        errors.append(
-            Error(Messages.RETRY_SCHEDULE, hint=Hints.RETRY_SCHEDULE, id=Codes.RETRY_SCHEDULE)
-        )
+    if isinstance(schedule, (list, tuple)) and schedule and all(map(_positive, schedule)):
+        return []
+    return [Error(Messages.RETRY_SCHEDULE, hint=Hints.RETRY_SCHEDULE, id=Codes.RETRY_SCHEDULE)]
 
-    numbers: list[tuple[str, Any, str, bool]] = [
-        ("OUTBOX_BATCH_SIZE", outbox_settings.BATCH_SIZE, "a positive integer", True),
-        (
-            "OUTBOX_COMPENSATE_MAX_BATCH",
-            outbox_settings.COMPENSATE_MAX_BATCH,
-            "a positive integer",
-            True,
-        ),
-        ("OUTBOX_PURGE_BATCH_SIZE", outbox_settings.PURGE_BATCH_SIZE, "a positive integer", True),
-        ("OUTBOX_MAX_PAYLOAD_BYTES", outbox_settings.MAX_PAYLOAD_BYTES, "a positive integer", True),
-        ("OUTBOX_CONSUMER_PREFETCH", outbox_settings.CONSUMER_PREFETCH, "a positive integer", True),
-        ("OUTBOX_POLL_INTERVAL", outbox_settings.POLL_INTERVAL, "a positive number", False),
-        ("OUTBOX_LEASE_SECONDS", outbox_settings.LEASE_SECONDS, "a positive number", False),
-        ("OUTBOX_CONFIRM_TIMEOUT", outbox_settings.CONFIRM_TIMEOUT, "a positive number", False),
-        (
-            "OUTBOX_COMPENSATE_STALE_AFTER",
-            outbox_settings.COMPENSATE_STALE_AFTER,
-            "a positive number",
-            False,
-        ),
-        (
-            "OUTBOX_COMPENSATE_RETRY_DELAY",
-            outbox_settings.COMPENSATE_RETRY_DELAY,
-            "a positive number",
-            False,
-        ),
-        ("OUTBOX_RETENTION_DAYS", outbox_settings.RETENTION_DAYS, "a positive number", False),
-    ]
-    for name, value, rule, integer in numbers:
-        if not _positive(value) or (integer and not isinstance(value, int)):
-            errors.append(
-                Error(
-                    Messages.NUMBERS.format(name=name, rule=rule, value=value),
-                    hint=Hints.NUMBERS.format(name=name),
-                    id=Codes.NUMBERS,
-                )
-            )
-    lease, timeout = outbox_settings.LEASE_SECONDS, outbox_settings.CONFIRM_TIMEOUT
-    if _positive(lease) and _positive(timeout) and lease <= timeout:
+
+@register()
+def check_positive_numbers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
+    for name, whole in POSITIVE_SETTINGS:
+        value = getattr(outbox_settings, name)
+        if _positive(value) and (isinstance(value, int) or not whole):
+            continue
+        rule = "a positive integer" if whole else "a positive number"
+        default = OutboxSettings.defaults()[PREFIX + name].default
         errors.append(
             Error(
-                Messages.LEASE.format(lease=lease, timeout=timeout),
-                hint=Hints.LEASE,
-                id=Codes.LEASE,
+                Messages.NUMBERS.format(name=PREFIX + name, rule=rule, value=value),
+                hint=Hints.NUMBERS.format(name=PREFIX + name, rule=rule, default=default),
+                id=Codes.NUMBERS,
             )
         )
-    days = outbox_settings.RETENTION_DAYS
-    if _positive(days) and days < 3:
-        errors.append(
-            Warning(Messages.RETENTION.format(days=days), hint=Hints.RETENTION, id=Codes.RETENTION)
-        )
-
-    ordered = outbox_settings.ORDERED
-    if not isinstance(ordered, bool) and not (
-        isinstance(ordered, (list, tuple)) and all(isinstance(v, str) for v in ordered)
-    ):
-        errors.append(Error(Messages.ORDERED, hint=Hints.ORDERED, id=Codes.ORDERED))
-    dead_head = outbox_settings.ORDERED_DEAD_HEAD
-    if dead_head not in ("block", "skip"):
-        errors.append(
-            Error(
-                Messages.ORDERED_DEAD_HEAD.format(value=dead_head),
-                hint=Hints.ORDERED_DEAD_HEAD,
-                id=Codes.ORDERED,
-            )
-        )
-
-    errors.extend(_check_alerts())
-    errors.extend(_check_unknown_settings())
     return errors
 
 
-def _check_alerts() -> list[CheckMessage]:
+@register()
+def check_lease(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    lease, timeout = outbox_settings.LEASE_SECONDS, outbox_settings.CONFIRM_TIMEOUT
+    # A value that is not a positive number is check_positive_numbers' to report.
+    if not (_positive(lease) and _positive(timeout)) or lease > timeout:
+        return []
+    return [
+        Error(
+            Messages.LEASE.format(lease=lease, timeout=timeout),
+            hint=Hints.LEASE.format(timeout=timeout, lease=6 * timeout),
+            id=Codes.LEASE,
+        )
+    ]
+
+
+@register()
+def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    days = outbox_settings.RETENTION_DAYS
+    if not _positive(days) or days >= 3:
+        return []
+    return [Warning(Messages.RETENTION.format(days=days), hint=Hints.RETENTION, id=Codes.RETENTION)]
+
+
+@register()
+def check_ordered(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    ordered = outbox_settings.ORDERED
+    if isinstance(ordered, bool) or (
+        isinstance(ordered, (list, tuple)) and all(isinstance(v, str) for v in ordered)
+    ):
+        return []
+    return [Error(Messages.ORDERED, hint=Hints.ORDERED, id=Codes.ORDERED)]
+
+
+@register()
+def check_ordered_dead_head(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    dead_head = outbox_settings.ORDERED_DEAD_HEAD
+    if dead_head in ("block", "skip"):
+        return []
+    return [
+        Error(
+            Messages.ORDERED_DEAD_HEAD.format(value=dead_head),
+            hint=Hints.ORDERED_DEAD_HEAD,
+            id=Codes.ORDERED_DEAD_HEAD,
+        )
+    ]
+
+
+@register()
+def check_alerts(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     from django.core.exceptions import ImproperlyConfigured
 
     from .alerts import build_channel
 
     channels = outbox_settings.ALERTS
     if not isinstance(channels, (list, tuple)):
-        return [
-            Error(
-                Messages.ALERTS.format(index="-", problem="not a list"),
-                hint=Hints.ALERTS,
-                id=Codes.ALERTS,
-            )
-        ]
+        message = Messages.ALERTS.format(index="-", problem="not a list")
+        return [Error(message, hint=Hints.ALERTS_NOT_A_LIST, id=Codes.ALERTS)]
     errors: list[CheckMessage] = []
     for index, entry in enumerate(channels):
         problem = ""
@@ -227,29 +243,29 @@ def _check_alerts() -> list[CheckMessage]:
             errors.append(
                 Error(
                     Messages.ALERTS.format(index=index, problem=problem),
-                    hint=Hints.ALERTS,
+                    hint=Hints.ALERTS.format(index=index),
                     id=Codes.ALERTS,
                 )
             )
     return errors
 
 
-def _check_unknown_settings() -> list[CheckMessage]:
+@register()
+def check_unknown_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     known = set(OutboxSettings.names())
     errors: list[CheckMessage] = []
     for name in dir(settings):
-        if name.startswith("OUTBOX_") and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = (
-                Hints.UNKNOWN_SETTING.format(suggestion=close[0])
-                if close
-                else Hints.UNKNOWN_SETTING_NONE
-            )
-            errors.append(
-                Warning(
-                    Messages.UNKNOWN_SETTING.format(name=name), hint=hint, id=Codes.UNKNOWN_SETTING
-                )
-            )
+        if not name.startswith(PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = (
+            Hints.UNKNOWN_SETTING.format(name=name, suggestion=close[0])
+            if close
+            else Hints.UNKNOWN_SETTING_NONE.format(name=name)
+        )
+        errors.append(
+            Warning(Messages.UNKNOWN_SETTING.format(name=name), hint=hint, id=Codes.UNKNOWN_SETTING)
+        )
     return errors
 
 
@@ -258,7 +274,11 @@ def check_sqlite(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
     return [
-        Warning(Messages.SQLITE.format(alias=alias), hint=Hints.SQLITE, id=Codes.SQLITE)
+        Warning(
+            Messages.SQLITE.format(alias=alias),
+            hint=Hints.SQLITE.format(alias=alias),
+            id=Codes.SQLITE,
+        )
         for alias in _outbox_aliases(None)
         if connections[alias].vendor == "sqlite"
     ]
@@ -287,10 +307,6 @@ def check_skip_locked(
                 )
             )
     return errors
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 @register()

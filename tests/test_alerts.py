@@ -30,7 +30,7 @@ from django_outbox.alerts import (
     get_channels,
     notify_dead,
 )
-from django_outbox.checks import Codes, check_settings
+from django_outbox.checks import Codes, check_alerts
 from django_outbox.masking import mask_webhook_url
 
 TOKEN = "s3cr3t-t0ken-1234567890"
@@ -335,7 +335,7 @@ def test_system_check_reports_bad_channel_options():
         {"BACKEND": "django_outbox.alerts.WebhookChannel", "OPTIONS": {"url": "x"}},
     ]
     with override_settings(OUTBOX_ALERTS=alerts):
-        errors = [e for e in check_settings() if e.id == Codes.ALERTS]
+        errors = [e for e in check_alerts() if e.id == Codes.ALERTS]
         assert len(errors) == 1
         assert "entry 1" in errors[0].msg and "'url' must be an http" in errors[0].msg
         with pytest.raises(SystemCheckError):

@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from django.core import checks
 from django.db import connection
 
+from django_outbox import checks as outbox_checks
 from django_outbox.checks import (
     Codes,
+    check_alerts,
     check_backend,
-    check_settings,
+    check_lease,
+    check_ordered,
+    check_ordered_dead_head,
+    check_ordered_isolation,
+    check_positive_numbers,
+    check_retention,
+    check_retry_schedule,
     check_skip_locked,
     check_sqlite,
+    check_unknown_settings,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS_CHECKS = [
+    check_retry_schedule,
+    check_positive_numbers,
+    check_lease,
+    check_retention,
+    check_ordered,
+    check_ordered_dead_head,
+    check_alerts,
+    check_unknown_settings,
+]
 
 
 def ids(messages) -> list[str]:
@@ -20,7 +44,8 @@ def ids(messages) -> list[str]:
 
 
 def test_defaults_of_the_test_settings_are_clean():
-    assert check_settings() == []
+    for check in SETTINGS_CHECKS:
+        assert check() == [], check.__name__
     assert check_backend() == []
 
 
@@ -39,45 +64,58 @@ def test_backend_not_a_backend(settings):
 @pytest.mark.parametrize("schedule", [[], "1,5", [1, -5], [0], [1, "x"], None, [True]])
 def test_malformed_retry_schedule(settings, schedule):
     settings.OUTBOX_RETRY_SCHEDULE = schedule
-    assert Codes.RETRY_SCHEDULE in ids(check_settings())
+    assert ids(check_retry_schedule()) == [Codes.RETRY_SCHEDULE]
 
 
 def test_numbers_must_be_positive(settings):
     settings.OUTBOX_BATCH_SIZE = 0
     settings.OUTBOX_POLL_INTERVAL = "1"
-    errors = [m for m in check_settings() if m.id == Codes.NUMBERS]
+    errors = check_positive_numbers()
+    assert ids(errors) == [Codes.NUMBERS, Codes.NUMBERS]
     assert {"OUTBOX_BATCH_SIZE", "OUTBOX_POLL_INTERVAL"} == {m.msg.split()[0] for m in errors}
+    assert "Set OUTBOX_BATCH_SIZE to a positive integer such as 500" in errors[0].hint
 
 
 def test_lease_must_outlast_confirm_timeout(settings):
     settings.OUTBOX_LEASE_SECONDS = 5
     settings.OUTBOX_CONFIRM_TIMEOUT = 10
-    assert Codes.LEASE in ids(check_settings())
+    assert ids(check_lease()) == [Codes.LEASE]
+    settings.OUTBOX_LEASE_SECONDS = 11
+    assert check_lease() == []
 
 
 def test_short_retention_warns(settings):
     settings.OUTBOX_RETENTION_DAYS = 1
-    (warning,) = [m for m in check_settings() if m.id == Codes.RETENTION]
+    (warning,) = check_retention()
+    assert warning.id == Codes.RETENTION
     assert warning.level == checks.WARNING
 
 
 def test_ordered_type(settings):
     settings.OUTBOX_ORDERED = "ORDER_CREATED"
-    assert Codes.ORDERED in ids(check_settings())
+    assert ids(check_ordered()) == [Codes.ORDERED]
     settings.OUTBOX_ORDERED = ["ORDER_CREATED"]
-    assert Codes.ORDERED not in ids(check_settings())
+    assert check_ordered() == []
 
 
 def test_bad_alert_channel(settings):
     settings.OUTBOX_ALERTS = [{"BACKEND": "nowhere.Channel"}, {"OPTIONS": {}}]
-    assert ids(check_settings()).count(Codes.ALERTS) == 2
+    assert ids(check_alerts()) == [Codes.ALERTS, Codes.ALERTS]
+
+
+def test_alerts_not_a_list(settings):
+    settings.OUTBOX_ALERTS = {"BACKEND": "django_outbox.alerts.LoggingChannel"}
+    (error,) = check_alerts()
+    assert error.id == Codes.ALERTS
+    assert "Set OUTBOX_ALERTS = [" in error.hint
 
 
 def test_misspelt_setting_suggests_the_right_one(settings):
     settings.OUTBOX_BATCHSIZE = 10
-    (warning,) = [m for m in check_settings() if m.id == Codes.UNKNOWN_SETTING]
+    (warning,) = check_unknown_settings()
+    assert warning.id == Codes.UNKNOWN_SETTING
     assert "OUTBOX_BATCHSIZE" in warning.msg
-    assert "OUTBOX_BATCH_SIZE" in warning.hint
+    assert warning.hint == "Rename OUTBOX_BATCHSIZE to OUTBOX_BATCH_SIZE."
 
 
 def test_sqlite_warns_one_relay_only():
@@ -108,19 +146,42 @@ def test_skip_locked_check_fires_on_old_mysql(monkeypatch):
 
 def test_checks_are_registered():
     registry = checks.registry.registry
-    registered = {c.__name__ for c in registry.get_checks(include_deployment_checks=True)}
-    assert {"check_backend", "check_settings", "check_sqlite", "check_skip_locked"} <= registered
+    registered = set(registry.get_checks(include_deployment_checks=True))
+    ours = {
+        value
+        for name, value in vars(outbox_checks).items()
+        if name.startswith("check_") and callable(value)
+    }
+    assert ours == {
+        *SETTINGS_CHECKS,
+        check_backend,
+        check_sqlite,
+        check_skip_locked,
+        check_ordered_isolation,
+    }
+    assert ours <= registered
 
 
-def test_ordered_checks(settings, monkeypatch):
+def test_a_bad_dead_head_policy_has_its_own_id(settings):
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "drop"
+    (error,) = check_ordered_dead_head()
+    assert error.id == Codes.ORDERED_DEAD_HEAD == "django_outbox.E014"
+    assert "'drop'" in error.msg
+    assert check_ordered() == []  # E009 is the other problem: OUTBOX_ORDERED's type
+    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
+    assert check_ordered_dead_head() == []
+
+
+def test_ids_are_unique_and_documented():
+    codes = {name: value for name, value in vars(Codes).items() if not name.startswith("_")}
+    assert len(set(codes.values())) == len(codes)
+    text = (ROOT / "docs" / "settings.md").read_text()
+    assert [code for code in codes.values() if f"`{code}`" not in text] == []
+
+
+def test_ordered_isolation(settings, monkeypatch):
     from django.conf import settings as django_settings
 
-    from django_outbox.checks import check_ordered_isolation
-
-    settings.OUTBOX_ORDERED_DEAD_HEAD = "drop"
-    assert Codes.ORDERED in ids(check_settings())
-    settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
-    assert Codes.ORDERED not in ids(check_settings())
     settings.OUTBOX_ORDERED = True
     db = django_settings.DATABASES["default"]
     monkeypatch.setitem(db, "ENGINE", "django.db.backends.mysql")
