@@ -277,7 +277,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ) -> HttpResponse:
         extra_context = {
             **(extra_context or {}),
-            "outbox_warnings": health_warnings(stats.gauges(self._db())),
+            "outbox_warnings": health_warnings(stats.gauges()),
             "dashboard_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard"),
         }
         return super().changelist_view(request, extra_context)
@@ -290,14 +290,10 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         )
         return [dashboard, *super().get_urls()]
 
-    def _db(self) -> str:
-        # The alias the database router sends outbox reads to.
-        return OutboxEvent.objects.all().db
-
     def dashboard_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
-        snapshot = stats.collect(using=self._db())
+        snapshot = stats.collect()
         retries, table = snapshot.triage_matrix()
         changelist = reverse(f"{self.admin_site.name}:django_outbox_outboxevent_changelist")
         context = {

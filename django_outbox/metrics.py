@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -122,7 +122,7 @@ class OutboxCollector(Collector):
     them does not fire on stale numbers; alert on ``database_up`` or ``absent()`` instead).
     """
 
-    def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
+    def __init__(self, using: str | None = None) -> None:
         self.using = using
 
     def describe(self) -> Iterator[Metric]:
@@ -133,12 +133,15 @@ class OutboxCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         from . import stats
+        from .models import outbox_db
 
         started = time.monotonic()
+        # At each scrape, not once: DATABASE_ROUTERS is read at use, like every setting.
+        using = outbox_db(self.using)
         try:
-            figures = stats.gauges(self.using)
+            figures = stats.gauges(using)
         except Exception as exc:  # any database trouble must not break the whole scrape
-            logger.warning("Cannot read the outbox gauges from database %r: %s", self.using, exc)
+            logger.warning("Cannot read the outbox gauges from database %r: %s", using, exc)
             yield GaugeMetricFamily(DATABASE_UP, _GAUGE_HELP[DATABASE_UP], value=0)
             return
         elapsed = time.monotonic() - started

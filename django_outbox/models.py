@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models
+from django.db import models, router
 from django.utils.translation import gettext_lazy as _
 
 from .querysets import OutboxEventQuerySet
 from .states import Status
 
-__all__ = ["AggregateSequence", "InboxMessage", "OutboxEvent", "Status"]
+__all__ = ["AggregateSequence", "InboxMessage", "OutboxEvent", "Status", "outbox_db"]
 
 
 class OutboxEvent(models.Model):
@@ -83,6 +83,17 @@ class OutboxEvent(models.Model):
     @property
     def status_label(self) -> str:
         return str(Status(self.status).label)
+
+
+def outbox_db(using: str | None = None) -> str:
+    """The alias of the database that holds the outbox: ``using``, else the router's choice.
+
+    One choice for every reader and writer: the write alias. The relay claims and settles
+    there, and the figures (dashboard, gauges, ``outbox_stats``) must be read where it writes:
+    a read replica lags, so it would show events as PENDING that the relay already sent,
+    and the oldest PENDING age would be wrong just when someone looks at it in an incident.
+    """
+    return using or router.db_for_write(OutboxEvent)
 
 
 class InboxMessage(models.Model):

@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.db import DEFAULT_DB_ALIAS, router
-
 from .conf import outbox_settings
 from .db import DbNow
 from .exceptions import OutboxError
-from .models import OutboxEvent, Status
+from .models import OutboxEvent, Status, outbox_db
 
 #: Below this retention purge() refuses unless ``force=True``: the article keeps sent rows
 #: at least 3 days so an incident can still be investigated from the table.
@@ -82,7 +80,7 @@ def purge(
             "what an incident is investigated from. Use 3 days or more, or pass --force "
             "(force=True) if you really mean it."
         )
-    db = using or router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
+    db = outbox_db(using)
     result = PurgeResult(older_than_days=days, dry_run=dry_run, include_dead=bool(dead_too))
     statuses = [Status.SENT, Status.DEAD] if dead_too else [Status.SENT]
     for status in statuses:

@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import connections
 from django.db.models import Count, Min, Q
 from django.db.models.functions import TruncMinute
 from django.db.models.sql import Query
 
 from .db import DbNow
-from .models import OutboxEvent, Status
+from .models import OutboxEvent, Status, outbox_db
 
 #: The default window of the triage table, "sent" and the trend: the article's last hour.
 DEFAULT_WINDOW = 3600.0
@@ -205,12 +205,13 @@ def _aware_utc(value: Any) -> datetime:
     return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
 
 
-def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
+def db_now(using: str | None = None) -> datetime:
     """The database's current time, as an aware UTC datetime (one round trip).
 
     Compiles :class:`~django_outbox.db.DbNow` with the connection's own compiler, so it is
     the very expression the relay compares ``next_retry_time`` with.
     """
+    using = outbox_db(using)
     connection = connections[using]
     query = Query(OutboxEvent)
     compiler = query.get_compiler(using=using)
@@ -221,8 +222,9 @@ def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
     return _aware_utc(value)
 
 
-def gauges(using: str = DEFAULT_DB_ALIAS) -> Gauges:
+def gauges(using: str | None = None) -> Gauges:
     """PENDING count, DEAD count and oldest PENDING age: two short queries."""
+    using = outbox_db(using)
     now = db_now(using)
     figures = (
         OutboxEvent.objects.using(using)
@@ -251,10 +253,10 @@ def gauges(using: str = DEFAULT_DB_ALIAS) -> Gauges:
 
 
 def blocked_aggregates(
-    using: str = DEFAULT_DB_ALIAS, limit: int = TOP_BLOCKED
+    using: str | None = None, limit: int = TOP_BLOCKED
 ) -> list[BlockedAggregate]:
     """Ordered mode: the DEAD heads holding back their aggregates, oldest first."""
-    rows = OutboxEvent.objects.using(using).blocked_aggregates()[:limit]
+    rows = OutboxEvent.objects.using(outbox_db(using)).blocked_aggregates()[:limit]
     return [
         BlockedAggregate(
             id=row.pk,
@@ -277,12 +279,13 @@ def _bucket_seconds(window: float) -> float:
 def collect(
     *,
     window: float = DEFAULT_WINDOW,
-    using: str = DEFAULT_DB_ALIAS,
+    using: str | None = None,
     top: int = TOP_DEAD_TYPES,
 ) -> OutboxStats:
     """Everything the dashboard and ``outbox_stats`` show, for the last ``window`` seconds."""
     if window <= 0:
         raise ValueError(f"window must be a positive number of seconds, not {window!r}")
+    using = outbox_db(using)
     g = gauges(using)
     events = OutboxEvent.objects.using(using).order_by()
     start = g.now - timedelta(seconds=window)

@@ -28,6 +28,7 @@ from celery import shared_task
 
 from .celery import COMPENSATE_TASK, PUBLISH_TASK, PURGE_TASK
 from .db import run_lock
+from .models import outbox_db
 from .purge import purge as purge_rows
 from .relay import BrokerOutage, PassResult, Relay
 
@@ -82,11 +83,7 @@ def purge(
     include_dead: bool | None = None,
 ) -> dict[str, Any]:
     """Delete old SENT rows in batches, like ``purge_outbox`` (same settings)."""
-    from django.db import DEFAULT_DB_ALIAS, router
-
-    from .models import OutboxEvent
-
-    using = router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
+    using = outbox_db()
     with run_lock("purge", using) as held:
         if not held:
             return _skipped("purge")

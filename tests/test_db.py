@@ -1,13 +1,17 @@
-"""Connection hygiene of the long-running workers (relay, consumer) between passes."""
+"""Database helpers: which database holds the outbox, and the workers' connection hygiene."""
 
 from __future__ import annotations
 
+import io
+import json
 import time
 
 import pytest
+from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
 
 from django_outbox.db import tidy_connections
+from django_outbox.models import outbox_db
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -67,3 +71,53 @@ def test_a_positive_conn_max_age_is_honoured(monkeypatch):
     monkeypatch.setattr(connection, "close_at", time.monotonic() - 1)
     tidy_connections()
     assert connection.connection is None
+
+
+class _Router:
+    """Sends the outbox's reads to ``read`` and its writes to ``write`` (None: no opinion)."""
+
+    def __init__(self, *, read: str | None = None, write: str | None = None) -> None:
+        self.read, self.write = read, write
+
+    def db_for_read(self, model, **hints):
+        return self.read if model._meta.app_label == "django_outbox" else None
+
+    def db_for_write(self, model, **hints):
+        return self.write if model._meta.app_label == "django_outbox" else None
+
+
+def test_outbox_db_is_the_given_alias_else_the_routers_write_alias(settings):
+    assert outbox_db() == "default"
+    settings.DATABASE_ROUTERS = [_Router(read="replica", write="outbox")]
+    assert outbox_db() == "outbox"
+    assert outbox_db("other") == "other"
+
+
+def test_the_figures_are_read_where_the_relay_writes_not_on_a_read_replica(settings):
+    """A read router that sends outbox reads to a replica (here one that does not exist,
+    so reading there fails) changes nothing: stats, gauges, admin, outbox_stats and purge
+    all use the write alias, as the relay does."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+    from django.urls import reverse
+
+    from django_outbox import stats
+    from django_outbox.metrics import OutboxCollector
+    from django_outbox.models import Status
+    from django_outbox.purge import purge
+    from tests.outbox_rows import make_events
+
+    make_events({"age": 60}, {"status": Status.DEAD, "age": 60})
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    settings.DATABASE_ROUTERS = [_Router(read="replica")]
+    assert (stats.gauges().pending, stats.collect().dead) == (1, 1)
+    scraped = {family.name: family.samples[0].value for family in OutboxCollector().collect()}
+    assert scraped["django_outbox_database_up"] == 1
+    assert scraped["django_outbox_pending_events"] == 1
+    assert purge(dry_run=True, include_dead=True, force=True, older_than_days=0.0002).dead == 1
+    out = io.StringIO()
+    call_command("outbox_stats", "--json", stdout=out)
+    assert json.loads(out.getvalue())["pending"] == 1
+    response = client.get(reverse("admin:django_outbox_outboxevent_dashboard"))
+    assert response.status_code == 200

@@ -10,9 +10,10 @@ import json
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import DEFAULT_DB_ALIAS, DatabaseError
+from django.db import DatabaseError
 
 from ... import ordering, stats
+from ...models import outbox_db
 from ..options import duration, non_negative_int
 
 
@@ -58,8 +59,9 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--database",
-            default=DEFAULT_DB_ALIAS,
-            help="Database alias to read the outbox from (default 'default').",
+            default=None,
+            help="Database alias to read the outbox from (default: the one the relay writes "
+            "to, the database router's choice).",
         )
 
     def handle(
@@ -71,9 +73,10 @@ class Command(BaseCommand):
         max_oldest_age: float | None,
         max_dead: int | None,
         max_blocked: int | None,
-        database: str,
+        database: str | None,
         **options: Any,
     ) -> None:
+        database = outbox_db(database)
         try:
             snapshot = stats.collect(window=since, using=database)
         except DatabaseError as exc:
