@@ -22,14 +22,14 @@ from datetime import datetime
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, models, router, transaction
+from django.db import IntegrityError, connections, models, transaction
 from django.utils import timezone
 
 from ._compat.django import innermost_atomic
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
 from .message import RESERVED_HEADERS
-from .models import OutboxEvent
+from .models import OutboxEvent, outbox_db
 
 __all__ = ["Outbox", "atomic", "emit"]
 
@@ -39,10 +39,6 @@ _local = threading.local()
 def _stack(using: str) -> list[Outbox]:
     stacks: dict[str, list[Outbox]] = _local.__dict__.setdefault("stacks", {})
     return stacks.setdefault(using, [])
-
-
-def _db_for_write(using: str | None) -> str:
-    return using or router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
 
 
 def _dumps(value: Any, what: str) -> str:
@@ -293,7 +289,7 @@ def atomic(
     if it is rolled back, its events go with it. The events are inserted just before the
     block exits, inside it, with one INSERT however many were emitted.
     """
-    alias = _db_for_write(using)
+    alias = outbox_db(using)
     box = Outbox(alias)
     block = transaction.atomic(using=alias, savepoint=savepoint, durable=durable)
     stack = _stack(alias)
@@ -326,7 +322,7 @@ def emit(
     INSERT; inside a plain ``transaction.atomic()`` it is inserted at once, so a savepoint
     that rolls back takes it along. Outside any transaction it raises NotInTransaction.
     """
-    alias = _db_for_write(using)
+    alias = outbox_db(using)
     _require_transaction(alias)
     stack = _stack(alias)
     if stack and stack[-1]._is_innermost():
