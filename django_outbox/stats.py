@@ -27,6 +27,7 @@ web server in another time zone changes nothing. The queries stay on the model's
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -36,6 +37,7 @@ from django.db.models import Count, Min, Q
 from django.db.models.functions import TruncMinute
 from django.db.models.sql import Query
 
+from . import ordering
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
 
@@ -178,6 +180,83 @@ class OutboxStats:
             "blocked": [asdict(b) for b in self.blocked],
             **self.extra,
         }
+
+    def as_text(self, crossed: Sequence[str] = ()) -> str:
+        """The terminal report of ``outbox_stats``, ending with the ``crossed`` thresholds."""
+        window = format_age(self.window)
+        age = format_age(self.oldest_pending_age) if self.pending else "-"
+        figures = [
+            ("PENDING", self.pending),
+            ("oldest PENDING age", age),
+            ("DEAD", self.dead),
+            (f"SENT (last {window})", self.sent_in_window),
+            (f"created (last {window})", self.created_in_window),
+            *sorted(self.extra.items()),
+        ]
+        if ordering.is_enabled():
+            figures.append(("blocked aggregates", self.blocked_aggregates))
+        pad = max(len(label) for label, _ in figures)
+        lines = [f"{label:<{pad}}  {value}" for label, value in figures]
+        lines.append("")
+        retries, table = self.triage_matrix()
+        lines.append(f"status x retry_count, rows created in the last {window}:")
+        if retries:
+            width = max(6, *(len(str(n)) for _, counts in table for n in counts))
+            header = "status   " + " ".join(f"{r:>{width}}" for r in retries)
+            lines.append(header)
+            for label, counts in table:
+                lines.append(f"{label:<8} " + " ".join(f"{n:>{width}}" for n in counts))
+        else:
+            lines.append("  (no rows)")
+        if self.top_dead_types:
+            lines.append("")
+            lines.append("top event types among dead letters:")
+            lines += [f"  {n:>6}  {event_type}" for event_type, n in self.top_dead_types]
+        if self.blocked:
+            lines.append("")
+            lines.append(
+                "aggregates blocked by a DEAD head (fix the cause, then requeue the head):"
+            )
+            lines += [
+                f"  {b.aggregate_type}:{b.aggregate_id}  head id={b.id} {b.event_type} "
+                f"event_id={b.event_id}  {b.waiting} waiting  {' '.join(b.last_error.split())[:80]}"
+                for b in self.blocked
+            ]
+        for message in crossed:
+            lines.append("")
+            lines.append(f"THRESHOLD CROSSED: {message}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits on the figures (``outbox_stats --max-*``); None is no limit."""
+
+    max_pending: int | None = None
+    max_oldest_age: float | None = None
+    max_dead: int | None = None
+    max_blocked: int | None = None
+
+    def crossed(self, snapshot: OutboxStats) -> list[str]:
+        """One sentence per limit the snapshot is over; empty when it keeps them all."""
+        crossed = []
+        if self.max_pending is not None and snapshot.pending > self.max_pending:
+            crossed.append(
+                f"{snapshot.pending} PENDING events, more than --max-pending {self.max_pending}"
+            )
+        if self.max_oldest_age is not None and snapshot.oldest_pending_age > self.max_oldest_age:
+            crossed.append(
+                f"oldest PENDING event is {snapshot.oldest_pending_age:.0f}s old, older than "
+                f"--max-oldest-age {self.max_oldest_age:g}s"
+            )
+        if self.max_dead is not None and snapshot.dead > self.max_dead:
+            crossed.append(f"{snapshot.dead} DEAD events, more than --max-dead {self.max_dead}")
+        if self.max_blocked is not None and snapshot.blocked_aggregates > self.max_blocked:
+            crossed.append(
+                f"{snapshot.blocked_aggregates} aggregates blocked by a DEAD head, more than "
+                f"--max-blocked {self.max_blocked}"
+            )
+        return crossed
 
 
 def format_age(seconds: float) -> str:

@@ -165,3 +165,17 @@ def test_as_dict_is_json_ready():
 def test_window_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         stats.collect(window=0)
+
+
+def test_thresholds_name_each_limit_the_figures_are_over():
+    make_events({"age": 900}, {"age": 10}, {"status": Status.DEAD})
+    snapshot = stats.collect()
+    assert stats.Thresholds().crossed(snapshot) == []
+    kept = stats.Thresholds(max_pending=2, max_oldest_age=3600, max_dead=1, max_blocked=0)
+    assert kept.crossed(snapshot) == []
+    over = stats.Thresholds(max_pending=1, max_oldest_age=600, max_dead=0)
+    assert [sentence.split()[-2] for sentence in over.crossed(snapshot)] == [
+        "--max-pending",
+        "--max-oldest-age",
+        "--max-dead",
+    ]

@@ -6,13 +6,13 @@ crossed, 2 the database could not be read (the message says what to check).
 
 from __future__ import annotations
 
-import json
+from json import dumps
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 
-from ... import ordering, stats
+from ... import stats
 from ...models import outbox_db
 from ..options import duration, non_negative_int
 
@@ -91,77 +91,17 @@ class Command(BaseCommand):
                 f"Cannot read the outbox from database {database!r}: {exc}", returncode=2
             ) from exc
 
-        crossed = []
-        if max_pending is not None and snapshot.pending > max_pending:
-            crossed.append(
-                f"{snapshot.pending} PENDING events, more than --max-pending {max_pending}"
-            )
-        if max_oldest_age is not None and snapshot.oldest_pending_age > max_oldest_age:
-            crossed.append(
-                f"oldest PENDING event is {snapshot.oldest_pending_age:.0f}s old, older than "
-                f"--max-oldest-age {max_oldest_age:g}s"
-            )
-        if max_dead is not None and snapshot.dead > max_dead:
-            crossed.append(f"{snapshot.dead} DEAD events, more than --max-dead {max_dead}")
-        if max_blocked is not None and snapshot.blocked_aggregates > max_blocked:
-            crossed.append(
-                f"{snapshot.blocked_aggregates} aggregates blocked by a DEAD head, more than "
-                f"--max-blocked {max_blocked}"
-            )
-
+        thresholds = stats.Thresholds(
+            max_pending=max_pending,
+            max_oldest_age=max_oldest_age,
+            max_dead=max_dead,
+            max_blocked=max_blocked,
+        )
+        crossed = thresholds.crossed(snapshot)
         if json:
-            self._print_json(snapshot, crossed)
+            data = {**snapshot.as_dict(), "thresholds_crossed": crossed}
+            self.stdout.write(dumps(data, indent=2, sort_keys=True))
         else:
-            self._print_text(snapshot, crossed)
+            self.stdout.write(snapshot.as_text(crossed))
         if crossed:
             raise CommandError("threshold crossed: " + "; ".join(crossed), returncode=1)
-
-    def _print_json(self, snapshot: stats.OutboxStats, crossed: list[str]) -> None:
-        data = snapshot.as_dict()
-        data["thresholds_crossed"] = crossed
-        self.stdout.write(json.dumps(data, indent=2, sort_keys=True))
-
-    def _print_text(self, snapshot: stats.OutboxStats, crossed: list[str]) -> None:
-        window = stats.format_age(snapshot.window)
-        age = stats.format_age(snapshot.oldest_pending_age) if snapshot.pending else "-"
-        figures = [
-            ("PENDING", snapshot.pending),
-            ("oldest PENDING age", age),
-            ("DEAD", snapshot.dead),
-            (f"SENT (last {window})", snapshot.sent_in_window),
-            (f"created (last {window})", snapshot.created_in_window),
-            *sorted(snapshot.extra.items()),
-        ]
-        if ordering.is_enabled():
-            figures.append(("blocked aggregates", snapshot.blocked_aggregates))
-        pad = max(len(label) for label, _ in figures)
-        lines = [f"{label:<{pad}}  {value}" for label, value in figures]
-        lines.append("")
-        retries, table = snapshot.triage_matrix()
-        lines.append(f"status x retry_count, rows created in the last {window}:")
-        if retries:
-            width = max(6, *(len(str(n)) for _, counts in table for n in counts))
-            header = "status   " + " ".join(f"{r:>{width}}" for r in retries)
-            lines.append(header)
-            for label, counts in table:
-                lines.append(f"{label:<8} " + " ".join(f"{n:>{width}}" for n in counts))
-        else:
-            lines.append("  (no rows)")
-        if snapshot.top_dead_types:
-            lines.append("")
-            lines.append("top event types among dead letters:")
-            lines += [f"  {n:>6}  {event_type}" for event_type, n in snapshot.top_dead_types]
-        if snapshot.blocked:
-            lines.append("")
-            lines.append(
-                "aggregates blocked by a DEAD head (fix the cause, then requeue the head):"
-            )
-            lines += [
-                f"  {b.aggregate_type}:{b.aggregate_id}  head id={b.id} {b.event_type} "
-                f"event_id={b.event_id}  {b.waiting} waiting  {' '.join(b.last_error.split())[:80]}"
-                for b in snapshot.blocked
-            ]
-        for message in crossed:
-            lines.append("")
-            lines.append(f"THRESHOLD CROSSED: {message}")
-        self.stdout.write("\n".join(lines))
