@@ -158,6 +158,19 @@ class IdempotentHandler:
         mapping = outbox_settings.ROUTING_KEYS
         return [mapping.get(t, t) for t in cls.event_types]
 
+    @classmethod
+    def describe(cls) -> str:
+        """One line of ``consume_outbox --list``: event types, bindings, de-duplication."""
+        style = (
+            f"dedup by {cls.dedup_model._meta.label}.{cls.dedup_field}"
+            if cls.dedup_model is not None
+            else "dedup by inbox"
+        )
+        return (
+            f"{cls.handler_name()}: {', '.join(cls.event_types)} "
+            f"(binds {', '.join(cls.bindings())}; {style})"
+        )
+
     def database(self) -> str:
         model = self.dedup_model
         if model is None:

@@ -118,3 +118,15 @@ def test_queue_name_and_arguments(settings):
     assert "x-queue-type" not in queue_arguments("q", queue_type="classic", max_retries=3)
     with pytest.raises(ImproperlyConfiguredHandler, match="'quorum' or 'classic'"):
         queue_arguments("q", queue_type="stream", max_retries=3)
+
+
+def test_describe_names_types_bindings_and_dedup_style(settings):
+    from tests.consumer_handlers import InboxPointsHandler
+
+    settings.OUTBOX_ROUTING_KEYS = {"ORDER_CREATED": "orders.created"}
+    assert InboxPointsHandler.describe() == (
+        "tests.inbox_points: ORDER_CREATED (binds orders.created; dedup by inbox)"
+    )
+    assert AwardPointsHandler.describe().endswith(
+        "(binds orders.created; dedup by points.PointsLedger.source_event_id)"
+    )

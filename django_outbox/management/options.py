@@ -42,6 +42,28 @@ def duration(value: str) -> float:
     return seconds
 
 
+def non_negative_duration(value: str) -> float:
+    """A :func:`duration`, or ``0``/``0s`` for none."""
+    return 0.0 if value.strip() in {"0", "0s"} else duration(value)
+
+
+def days(value: str) -> float:
+    """A positive number of days, e.g. ``7`` or ``3.5``."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of days") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 days")
+    return number
+
+
+def queue_type(value: str) -> str:
+    if value not in {"quorum", "classic"}:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a queue type; use quorum or classic")
+    return value
+
+
 def port(value: str) -> int:
     number = non_negative_int(value)
     if number > 65535:

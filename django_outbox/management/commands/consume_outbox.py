@@ -11,19 +11,7 @@ from ...conf import outbox_settings
 from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
 from ...masking import mask_url
 from ...worker import configure_logging, stop_on_signals
-from ..options import duration, non_negative_int, positive_int
-
-
-def queue_type(value: str) -> str:
-    import argparse
-
-    if value not in {"quorum", "classic"}:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a queue type; use quorum or classic")
-    return value
-
-
-def non_negative_duration(value: str) -> float:
-    return 0.0 if value.strip() in {"0", "0s"} else duration(value)
+from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
 
 
 class Command(BaseCommand):
@@ -117,15 +105,7 @@ class Command(BaseCommand):
             if not classes:
                 self.stdout.write("No handlers: set OUTBOX_CONSUMER_HANDLERS or add handlers.py")
             for cls in classes:
-                style = (
-                    f"dedup by {cls.dedup_model._meta.label}.{cls.dedup_field}"
-                    if cls.dedup_model is not None
-                    else "dedup by inbox"
-                )
-                self.stdout.write(
-                    f"{cls.handler_name()}: {', '.join(cls.event_types)} "
-                    f"(binds {', '.join(cls.bindings())}; {style})"
-                )
+                self.stdout.write(cls.describe())
             return
         try:
             consumer = Consumer(

@@ -6,7 +6,6 @@ days without --force) or the database unreachable.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -15,18 +14,7 @@ from django.utils.connection import ConnectionDoesNotExist
 
 from ...conf import outbox_settings
 from ...purge import RetentionTooShort, purge
-from ..options import positive_int
-
-
-def days(value: str) -> float:
-    """A positive number of days, e.g. ``7`` or ``3.5``."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of days") from None
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be more than 0 days")
-    return number
+from ..options import days, positive_int
 
 
 class Command(BaseCommand):
