@@ -443,6 +443,26 @@ class Dispatcher:
             ]
         return self.process(event)
 
+    def receive(
+        self,
+        body: bytes,
+        *,
+        message_id: str | None,
+        message_type: str | None,
+        headers: Mapping[str, Any] | None,
+        redelivered: bool = False,
+    ) -> tuple[Outcome, list[HandlerResult]]:
+        """Process one delivered message: the outcome that says how to settle it with the
+        broker (:attr:`Outcome.acknowledge`), and each handler's result."""
+        results = self.process_message(
+            body,
+            message_id=message_id,
+            message_type=message_type,
+            headers=headers,
+            redelivered=redelivered,
+        )
+        return message_outcome(results), results
+
 
 @dataclass
 class ConsumeResult:
@@ -460,6 +480,14 @@ class ConsumeResult:
         parts = ", ".join(f"{o.value} {n}" for o, n in self.counts.items() if n)
         tail = f", dead-lettered {self.dead_lettered}" if self.dead_lettered else ""
         return f"{self.messages} message(s): {parts or 'none'}{tail}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``consume_outbox --json``): every outcome, zeros included."""
+        return {
+            "messages": self.messages,
+            "outcomes": {outcome.value: n for outcome, n in self.counts.items()},
+            "dead_lettered": self.dead_lettered,
+        }
 
 
 def process_messages(
@@ -675,14 +703,13 @@ class Consumer:
         """Process one delivery and settle it with the broker (ack, requeue or dead-letter)."""
         self._dead_lettered_last = False
         headers = dict(properties.headers or {})
-        results = self.dispatcher.process_message(
+        outcome, results = self.dispatcher.receive(
             body,
             message_id=properties.message_id,
             message_type=properties.type,
             headers=headers,
             redelivered=method.redelivered,
         )
-        outcome = message_outcome(results)
         if outcome.acknowledge:
             channel.basic_ack(method.delivery_tag)
         elif outcome in (Outcome.UNDECODABLE, Outcome.OUT_OF_ORDER):

@@ -6,6 +6,7 @@ import pytest
 
 from django_outbox.backends import locmem
 from django_outbox.consumer import (
+    ConsumeResult,
     Dispatcher,
     ImproperlyConfiguredHandler,
     Outcome,
@@ -130,3 +131,43 @@ def test_describe_names_types_bindings_and_dedup_style(settings):
     assert AwardPointsHandler.describe().endswith(
         "(binds orders.created; dedup by points.PointsLedger.source_event_id)"
     )
+
+
+def test_receive_gives_the_outcome_to_settle_by_and_each_handlers_result():
+    dispatcher = Dispatcher(
+        handlers=[AwardPointsHandler, "tests.consumer_handlers.InboxPointsHandler"]
+    )
+    event = make_event()
+    message = {
+        "message_id": event.event_id,
+        "message_type": event.event_type,
+        "headers": encode_headers(event),
+    }
+    outcome, results = dispatcher.receive(encode_body(event), **message)
+    assert outcome is Outcome.PROCESSED and outcome.acknowledge
+    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.PROCESSED]
+    outcome, results = dispatcher.receive(encode_body(event), redelivered=True, **message)
+    assert outcome is Outcome.DUPLICATE and outcome.acknowledge
+    outcome, results = dispatcher.receive(b"not json", **message)
+    assert outcome is Outcome.UNDECODABLE and not outcome.acknowledge
+    assert results[0].error
+
+
+def test_consume_result_as_dict_lists_every_outcome():
+    result = ConsumeResult()
+    for outcome in [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2 + [Outcome.FAILED]:
+        result.add(outcome)
+    result.dead_lettered = 1
+    assert result.as_dict() == {
+        "messages": 7,
+        "outcomes": {
+            "processed": 4,
+            "duplicate": 2,
+            "failed": 1,
+            "unknown_type": 0,
+            "undecodable": 0,
+            "early": 0,
+            "out_of_order": 0,
+        },
+        "dead_lettered": 1,
+    }

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import threading
 import time
+from io import StringIO
 
 import pika
 import pytest
+from django.core.management import call_command
 
 from django_outbox.consumer import Consumer, Outcome
 from points.models import PointsLedger
@@ -199,6 +202,28 @@ def test_sigterm_finishes_the_message_in_hand_then_exits_0(broker, tmp_path):
     assert list(PointsLedger.objects.values_list("source_event_id", flat=True)) == [first.event_id]
     # The prefetched second message went back to the queue.
     assert wait_for(lambda: broker.count(broker.queue) == 1)
+
+
+def test_json_prints_the_totals_as_one_object_instead_of_the_summary(broker, settings):
+    make_consumer(broker).close()  # the queue and its bindings
+    event = make_event()
+    broker.publish(event)
+    broker.publish(event)
+    settings.OUTBOX_BROKER_URL = broker.url
+    out = StringIO()
+    call_command(
+        "consume_outbox",
+        *("--once", "--json", "--queue", broker.queue, "--exchange", broker.exchange),
+        *("--handler", AWARD),
+        stdout=out,
+        stderr=StringIO(),
+    )
+    totals = json.loads(out.getvalue())
+    assert totals == {
+        "messages": 2,
+        "outcomes": {o.value: {"processed": 1, "duplicate": 1}.get(o.value, 0) for o in Outcome},
+        "dead_lettered": 0,
+    }
 
 
 def test_list_shows_handlers_and_bindings():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from json import dumps
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -79,6 +80,11 @@ class Command(BaseCommand):
         parser.add_argument(
             "--list", action="store_true", help="List the handlers and their bindings, then exit."
         )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="At the end, print the totals as one JSON object instead of the summary line.",
+        )
 
     def handle(
         self,
@@ -93,6 +99,7 @@ class Command(BaseCommand):
         max_messages: int | None,
         once: bool,
         list: bool,
+        json: bool,
         verbosity: int,
         **options: Any,
     ) -> None:
@@ -132,4 +139,7 @@ class Command(BaseCommand):
         stop = threading.Event()
         with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
             result = consumer.run(stop=stop, max_messages=max_messages, until_idle=once)
-        self.stdout.write(f"consume_outbox stopped: {result.summary()}")
+        if json:
+            self.stdout.write(dumps(result.as_dict(), sort_keys=True))
+        else:
+            self.stdout.write(f"consume_outbox stopped: {result.summary()}")
