@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.migrations.executor import MigrationExecutor
 
-from django_outbox.consumer import Dispatcher, HandlerResult, Outcome, message_outcome
+from django_outbox.consumer import Dispatcher, Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent, Status
 from orders.models import Order
@@ -79,16 +78,16 @@ class Tally:
     failed: int = 0
     other: int = 0  # unknown type, undecodable
 
-    def add(self, outcome: Outcome) -> None:
-        self.handled += 1
+    def add(self, outcome: Outcome, n: int = 1) -> None:
+        self.handled += n
         if outcome is Outcome.PROCESSED:
-            self.processed += 1
+            self.processed += n
         elif outcome is Outcome.DUPLICATE:
-            self.duplicates += 1
+            self.duplicates += n
         elif outcome is Outcome.FAILED:
-            self.failed += 1
+            self.failed += n
         else:
-            self.other += 1
+            self.other += n
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(
@@ -100,20 +99,13 @@ class Tally:
         )
 
     @classmethod
-    def from_summary(cls, line: str) -> Tally:
-        """Read ``consume_outbox``'s last line: ``12 message(s): processed 10, duplicate 2``."""
-        match = re.search(r"(\d+) message\(s\): (.*)$", line)
-        if match is None:
-            raise DemoError(f"consume_outbox printed no summary: {line!r}")
-        counts = {k: int(n) for k, n in re.findall(r"([a-z_-]+) (\d+)", match.group(2))}
-        tally = cls(
-            handled=int(match.group(1)),
-            processed=counts.pop(Outcome.PROCESSED.value, 0),
-            duplicates=counts.pop(Outcome.DUPLICATE.value, 0),
-            failed=counts.pop(Outcome.FAILED.value, 0),
-        )
-        counts.pop("dead-lettered", None)
-        tally.other = sum(counts.values())
+    def from_totals(cls, totals: dict[str, Any]) -> Tally:
+        """From ``ConsumeResult.as_dict()``, which ``consume_outbox --json`` prints."""
+        tally = cls()
+        for value, n in totals["outcomes"].items():
+            tally.add(Outcome(value), n)
+        if tally.handled != totals["messages"]:
+            raise DemoError(f"consume_outbox's totals do not add up: {totals!r}")
         return tally
 
 
@@ -261,15 +253,17 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def handle_delivery(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
-    results: list[HandlerResult] = dispatcher.process_message(
+def receive(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
+    """The consumer's own path (``Consumer.handle_delivery`` runs it too), minus settling
+    with the broker: the demo acknowledges, or crashes before it does."""
+    outcome, _results = dispatcher.receive(
         delivery.body,
         message_id=delivery.message_id,
         message_type=delivery.type,
         headers=delivery.headers,
         redelivered=delivery.redelivered,
     )
-    return message_outcome(results)
+    return outcome
 
 
 class EmbeddedTransport:
@@ -305,14 +299,14 @@ class EmbeddedTransport:
             delivery = self.broker.get()
             if delivery is None:
                 break
-            tally.add(handle_delivery(self.dispatcher, delivery))  # committed, not acked
+            tally.add(receive(self.dispatcher, delivery))  # committed, not acked
         self.broker.recover()  # the connection drops: what was not acked goes back
         return tally, lost
 
     def consume(self) -> Tally:
         tally = Tally()
         while (delivery := self.broker.get()) is not None:
-            outcome = handle_delivery(self.dispatcher, delivery)
+            outcome = receive(self.dispatcher, delivery)
             tally.add(outcome)
             if outcome.acknowledge:
                 self.broker.ack(delivery.tag)
@@ -407,7 +401,7 @@ class RabbitTransport:
                     headers=dict(props.headers or {}),
                     redelivered=method.redelivered,
                 )
-                tally.add(handle_delivery(self.dispatcher, delivery))  # committed, not acked
+                tally.add(receive(self.dispatcher, delivery))  # committed, not acked
         # The connection is closed with those messages unacknowledged: RabbitMQ requeues them.
         return tally, lost
 
@@ -417,6 +411,7 @@ class RabbitTransport:
             [
                 "consume_outbox",
                 "--once",
+                "--json",
                 "--queue",
                 self.queue,
                 "--exchange",
@@ -430,7 +425,10 @@ class RabbitTransport:
                 raise child.failure("consume_outbox failed")
             out, _ = child.output()
             lines = out.strip().splitlines()
-            return Tally.from_summary(lines[-1] if lines else "")
+            try:
+                return Tally.from_totals(json.loads(lines[-1]))
+            except (IndexError, ValueError, KeyError) as exc:
+                raise DemoError(f"consume_outbox printed no totals ({exc}): {out!r}") from exc
         finally:
             child.close()
 
