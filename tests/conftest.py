@@ -10,6 +10,7 @@ from urllib.parse import urlparse
 import pytest
 
 from django_outbox.backends import locmem
+from tests.utils.amqp import Broker
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -59,6 +60,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def amqp_url() -> str:
     require_service("rabbitmq", AMQP_URL, 5672)
     return AMQP_URL
+
+
+@pytest.fixture
+def broker(amqp_url: str) -> Iterator[Broker]:
+    """This test's own exchange and queues on the real RabbitMQ, deleted afterwards."""
+    b = Broker(amqp_url)
+    yield b
+    b.close()
 
 
 @pytest.fixture(autouse=True)

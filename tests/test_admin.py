@@ -10,7 +10,7 @@ from django.urls import reverse
 
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.stats import format_age
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db
 

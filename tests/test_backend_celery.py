@@ -2,7 +2,7 @@
 nacks, channel errors, timeouts and lost connections; the relay keeps failed rows PENDING.
 
 Each test uses its own Celery app (never set as current) whose default queue and
-exchanges are uniquely named and deleted afterwards (tests.test_backend_pika.Broker).
+exchanges are uniquely named and deleted afterwards (tests.utils.amqp.Broker).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from celery import Celery
@@ -22,20 +21,13 @@ from django_outbox.checks import Codes
 from django_outbox.message import decode_task_envelope
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
-from tests.outbox_rows import make_events
-from tests.test_backend_pika import Broker, make_rows
+from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy
+from tests.utils.rows import make_events, wire_rows
 
 pytestmark = pytest.mark.amqp
 
 TASK = "tests.celery.award"
-
-
-@pytest.fixture
-def broker(amqp_url: str) -> Iterator[Broker]:
-    b = Broker(amqp_url)
-    yield b
-    b.close()
 
 
 def make_app(url: str, queue: str, **conf: object) -> Celery:
@@ -49,8 +41,7 @@ def task_queue(broker: Broker) -> str:
     """A queue the backend's app declares when sending, with a direct exchange of the same
     name (both deleted with the broker)."""
     name = f"test.outbox.celery.{uuid.uuid4().hex[:10]}"
-    broker._queues.append(name)
-    broker._exchanges.append(name)
+    broker.delete_at_close(queues=[name], exchanges=[name])
     return name
 
 
@@ -65,8 +56,8 @@ def backend_for(broker: Broker, app: Celery | None = None, **options: object) ->
 
 @pytest.mark.once
 def test_plain_messages_are_the_pika_wire_format(broker):
-    queue = broker.queue("ORDER_CREATED")
-    rows = make_rows(3)
+    queue = broker.declare_queue("ORDER_CREATED")
+    rows = wire_rows(3)
     with backend_for(broker) as backend:
         results = backend.publish(rows)
     assert [r.ok for r in results] == [True] * 3
@@ -85,7 +76,7 @@ def test_plain_messages_are_the_pika_wire_format(broker):
 @pytest.mark.once
 def test_task_messages_carry_the_envelope_and_the_event_id_as_task_id(broker):
     queue = task_queue(broker)
-    rows = make_rows(2)
+    rows = wire_rows(2)
     app = make_app(broker.url, queue)
     with backend_for(broker, app, tasks={"ORDER_CREATED": TASK}) as backend:
         results = backend.publish(rows)
@@ -108,13 +99,15 @@ def test_task_messages_carry_the_envelope_and_the_event_id_as_task_id(broker):
 
 @pytest.mark.once
 def test_unroutable_and_nacked_fail_per_event_and_the_rest_is_confirmed(broker):
-    broker.queue("ORDER_CREATED")
-    full = broker.queue("FULL", **{"x-max-length": 0, "x-overflow": "reject-publish"})
+    broker.declare_queue("ORDER_CREATED")
+    full = broker.declare_queue(
+        "FULL", arguments={"x-max-length": 0, "x-overflow": "reject-publish"}
+    )
     assert full
     rows = [
-        *make_rows(1, event_type="NOBODY_LISTENS"),
-        *make_rows(1, event_type="FULL", start=2),
-        *make_rows(2, start=3),
+        *wire_rows(1, event_type="NOBODY_LISTENS"),
+        *wire_rows(1, event_type="FULL", start=2),
+        *wire_rows(2, start=3),
     ]
     with backend_for(broker) as backend:
         results = backend.publish(rows)
@@ -132,11 +125,11 @@ def test_a_task_routed_to_a_missing_exchange_fails_alone(broker):
         queue,
         task_routes={"tests.celery.lost": {"exchange": missing, "routing_key": "x"}},
     )
-    rows = [*make_rows(1, event_type="LOST"), *make_rows(1, start=2)]
+    rows = [*wire_rows(1, event_type="LOST"), *wire_rows(1, start=2)]
     tasks = {"LOST": "tests.celery.lost", "ORDER_CREATED": TASK}
     with backend_for(broker, app, tasks=tasks) as backend:
         results = backend.publish(rows)
-        again = backend.publish(make_rows(1, start=3))
+        again = backend.publish(wire_rows(1, start=3))
     assert results[0].reason is Reason.ERROR
     assert "NOT_FOUND" in results[0].error or "404" in results[0].error
     assert results[1].ok
@@ -153,7 +146,7 @@ def test_a_task_routed_to_an_exchange_without_queue_is_unroutable(broker):
         task_routes={TASK: {"exchange": exchange, "routing_key": "nobody"}},
     )
     with backend_for(broker, app, tasks={"ORDER_CREATED": TASK}) as backend:
-        results = backend.publish(make_rows(2))
+        results = backend.publish(wire_rows(2))
     assert [r.reason for r in results] == [Reason.UNROUTABLE, Reason.UNROUTABLE]
 
 
@@ -164,7 +157,7 @@ def test_unreachable_broker_raises_broker_unavailable_with_a_masked_url(broker):
     try:
         backend = backend_for(broker, make_app(url, task_queue(broker)), connect_timeout=2)
         with pytest.raises(BrokerUnavailable) as info:
-            backend.publish(make_rows(1))
+            backend.publish(wire_rows(1))
         assert "s3cret-pw" not in str(info.value)
     finally:
         proxy.close()
@@ -172,17 +165,17 @@ def test_unreachable_broker_raises_broker_unavailable_with_a_masked_url(broker):
 
 @pytest.mark.once
 def test_cut_connection_reports_the_rest_connection_lost_then_reconnects(broker):
-    queue = broker.queue("ORDER_CREATED")
+    queue = broker.declare_queue("ORDER_CREATED")
     proxy, url = TcpProxy.for_url(broker.url)
     try:
         backend = backend_for(broker, make_app(url, task_queue(broker)))
-        assert all(r.ok for r in backend.publish(make_rows(2)))
+        assert all(r.ok for r in backend.publish(wire_rows(2)))
         proxy.cut()
-        results = backend.publish(make_rows(3, start=3))
+        results = backend.publish(wire_rows(3, start=3))
         assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
         assert all(r.reason.is_connection_level for r in results)  # type: ignore[union-attr]
         backend.close()  # what the relay does after an outage
-        assert all(r.ok for r in backend.publish(make_rows(2, start=6)))
+        assert all(r.ok for r in backend.publish(wire_rows(2, start=6)))
         backend.close()
     finally:
         proxy.close()
@@ -191,19 +184,19 @@ def test_cut_connection_reports_the_rest_connection_lost_then_reconnects(broker)
 
 @pytest.mark.once
 def test_no_confirm_is_a_timeout_and_the_rest_is_not_sent(broker):
-    broker.queue("ORDER_CREATED")
+    broker.declare_queue("ORDER_CREATED")
     proxy, url = TcpProxy.for_url(broker.url)
     try:
         backend = backend_for(broker, make_app(url, task_queue(broker)), confirm_timeout=1)
-        assert all(r.ok for r in backend.publish(make_rows(1)))
+        assert all(r.ok for r in backend.publish(wire_rows(1)))
         proxy.pause()
-        results = backend.publish(make_rows(3, start=2))
+        results = backend.publish(wire_rows(3, start=2))
         proxy.resume()
         assert results[0].reason is Reason.TIMEOUT
         assert [r.reason for r in results[1:]] == [Reason.CONNECTION_LOST] * 2
         # A new connection: the late confirm of the timed-out message is not taken for
         # the next message's.
-        assert all(r.ok for r in backend.publish(make_rows(2, start=5)))
+        assert all(r.ok for r in backend.publish(wire_rows(2, start=5)))
         backend.close()
     finally:
         proxy.close()
@@ -212,7 +205,7 @@ def test_no_confirm_is_a_timeout_and_the_rest_is_not_sent(broker):
 @pytest.mark.once
 @pytest.mark.parametrize("tasks", [False, True], ids=["plain", "task"])
 def test_a_broker_that_stops_answering_before_the_first_declare_is_a_timeout(broker, tasks):
-    broker.queue("ORDER_CREATED")
+    broker.declare_queue("ORDER_CREATED")
     proxy, url = TcpProxy.for_url(broker.url)
     try:
         backend = backend_for(
@@ -225,7 +218,7 @@ def test_a_broker_that_stops_answering_before_the_first_declare_is_a_timeout(bro
         proxy.pause()  # the exchange (plain) or the queue (task) is declared on first use
         results: list = []
         publishing = threading.Thread(
-            target=lambda: results.extend(backend.publish(make_rows(2))), daemon=True
+            target=lambda: results.extend(backend.publish(wire_rows(2))), daemon=True
         )
         publishing.start()
         publishing.join(20)
@@ -239,11 +232,11 @@ def test_a_broker_that_stops_answering_before_the_first_declare_is_a_timeout(bro
 
 @pytest.mark.once
 def test_close_does_not_hang_on_a_broker_that_stopped_answering(broker):
-    broker.queue("ORDER_CREATED")
+    broker.declare_queue("ORDER_CREATED")
     proxy, url = TcpProxy.for_url(broker.url)
     try:
         backend = backend_for(broker, make_app(url, task_queue(broker)))
-        assert all(r.ok for r in backend.publish(make_rows(1)))
+        assert all(r.ok for r in backend.publish(wire_rows(1)))
         proxy.pause()
         closing = threading.Thread(target=backend.close, daemon=True)
         closing.start()
@@ -280,8 +273,8 @@ FAILOVER_APP = Celery(
 
 @pytest.mark.django_db
 def test_relay_keeps_nacked_and_unroutable_rows_pending_with_one_more_attempt(broker, settings):
-    broker.queue("ORDER_CREATED")
-    broker.queue("FULL", **{"x-max-length": 0, "x-overflow": "reject-publish"})
+    broker.declare_queue("ORDER_CREATED")
+    broker.declare_queue("FULL", arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
     queue = task_queue(broker)
     settings.OUTBOX_BACKEND = "django_outbox.backends.celery.CeleryBackend"
     settings.OUTBOX_BACKEND_OPTIONS = {

@@ -10,11 +10,8 @@ import contextlib
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
 
-import pika
 import pytest
 from django.test import override_settings
 
@@ -23,90 +20,11 @@ from django_outbox.backends.base import BrokerUnavailable, Reason
 from django_outbox.backends.pika import FLUSH_EVERY, PikaBackend, mask_url
 from django_outbox.checks import Codes
 from django_outbox.models import OutboxEvent
+from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy
+from tests.utils.rows import OCCURRED, wire_rows
 
 pytestmark = pytest.mark.amqp
-
-OCCURRED = datetime(2026, 5, 17, 8, 30, 15, 123456, tzinfo=timezone.utc)
-
-
-def make_rows(
-    count: int, *, event_type: str = "ORDER_CREATED", start: int = 1
-) -> list[OutboxEvent]:
-    """Unsaved rows with a pk, as the relay hands them over (no database needed)."""
-    return [
-        OutboxEvent(
-            pk=start + i,
-            event_id=uuid.uuid4().hex,
-            event_type=event_type,
-            aggregate_type="orders.Order",
-            aggregate_id=f"A-{start + i}",
-            payload={"order_id": start + i, "total": "12.50", "note": "über"},
-            headers={"trace_id": f"t-{start + i}"},
-            occurred_at=OCCURRED,
-            retry_count=0,
-        )
-        for i in range(count)
-    ]
-
-
-class Broker:
-    """An admin connection that creates uniquely named objects and deletes them at the end."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.suffix = uuid.uuid4().hex[:10]
-        self.exchange = f"test.outbox.{self.suffix}"
-        self._connection = pika.BlockingConnection(pika.URLParameters(url))
-        self.channel = self._connection.channel()
-        self._queues: list[str] = []
-        self._exchanges: list[str] = [self.exchange]
-
-    def declare_exchange(self, name: str | None = None) -> str:
-        name = name or self.exchange
-        self.channel.exchange_declare(name, exchange_type="topic", durable=True)
-        if name not in self._exchanges:
-            self._exchanges.append(name)
-        return name
-
-    def queue(self, binding: str | None = "#", **arguments: object) -> str:
-        name = f"test.outbox.q.{uuid.uuid4().hex[:10]}"
-        self.channel.queue_declare(name, durable=False, arguments=arguments or None)
-        self._queues.append(name)
-        if binding is not None:
-            self.declare_exchange()
-            self.channel.queue_bind(name, self.exchange, routing_key=binding)
-        return name
-
-    def get_all(self, queue: str, expected: int, timeout: float = 5.0) -> list[tuple]:
-        messages: list[tuple] = []
-        deadline = time.monotonic() + timeout
-        while len(messages) < expected and time.monotonic() < deadline:
-            method, props, body = self.channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                time.sleep(0.05)
-                continue
-            messages.append((method, props, body))
-        return messages
-
-    def count(self, queue: str) -> int:
-        return self.channel.queue_declare(queue, passive=True).method.message_count
-
-    def close(self) -> None:
-        try:
-            for q in self._queues:
-                self.channel.queue_delete(q)
-            for e in self._exchanges:
-                self.channel.exchange_delete(e)
-        finally:
-            self._connection.close()
-
-
-@pytest.fixture
-def broker(amqp_url: str) -> Iterator[Broker]:
-    b = Broker(amqp_url)
-    yield b
-    b.close()
 
 
 @pytest.fixture
@@ -126,7 +44,7 @@ def through_proxy(
 ) -> Iterator[tuple[TcpProxy, str, PikaBackend]]:
     """An open backend whose connection goes through the proxy, and a queue bound to all."""
     proxy, url = proxied
-    queue = broker.queue("#")
+    queue = broker.declare_queue("#")
     backend = backend_for(broker, url, confirm_timeout=confirm_timeout)
     try:
         backend.open()
@@ -136,8 +54,8 @@ def through_proxy(
 
 
 def test_messages_arrive_with_properties_body_and_headers(broker: Broker) -> None:
-    queue = broker.queue("ORDER_CREATED")
-    rows = make_rows(3)
+    queue = broker.declare_queue("ORDER_CREATED")
+    rows = wire_rows(3)
     with backend_for(broker) as backend:
         results = backend.publish(rows)
     assert [r.ok for r in results] == [True, True, True]
@@ -163,13 +81,11 @@ def test_messages_arrive_with_properties_body_and_headers(broker: Broker) -> Non
 
 
 def test_declares_a_durable_exchange_and_uses_routing_keys(broker: Broker) -> None:
-    rows = make_rows(1)
+    rows = wire_rows(1)
     backend = backend_for(broker, routing_keys={"ORDER_CREATED": "orders.created"})
     backend.open()  # declares the exchange: the queue can be bound to it now
     try:
-        queue = f"test.outbox.q.{broker.suffix}"
-        broker.channel.queue_declare(queue, durable=False)
-        broker._queues.append(queue)
+        queue = broker.declare_queue(None)  # bound by hand: the broker must not declare it
         broker.channel.queue_bind(queue, broker.exchange, routing_key="orders.created")
         assert backend.publish(rows)[0].ok
     finally:
@@ -181,8 +97,8 @@ def test_declares_a_durable_exchange_and_uses_routing_keys(broker: Broker) -> No
 
 
 def test_unroutable_is_a_failure_even_though_the_broker_acks_it(broker: Broker) -> None:
-    queue = broker.queue("ORDER_CREATED")  # ORDER_PAID has no binding
-    rows = make_rows(2) + make_rows(2, event_type="ORDER_PAID", start=10) + make_rows(1, start=20)
+    queue = broker.declare_queue("ORDER_CREATED")  # ORDER_PAID has no binding
+    rows = wire_rows(2) + wire_rows(2, event_type="ORDER_PAID", start=10) + wire_rows(1, start=20)
     with backend_for(broker) as backend:
         results = backend.publish(rows)
     assert [r.ok for r in results] == [True, True, False, False, True]
@@ -194,8 +110,8 @@ def test_unroutable_is_a_failure_even_though_the_broker_acks_it(broker: Broker) 
 def test_a_batch_reaches_the_socket_in_a_few_writes(broker: Broker, monkeypatch) -> None:
     """pika writes each frame on its own, three per message; the backend hands the
     transport one write per flush point instead (a system call each)."""
-    queue = broker.queue("#")
-    rows = make_rows(200)
+    queue = broker.declare_queue("#")
+    rows = wire_rows(200)
     backend = backend_for(broker)
     backend.open()
     try:
@@ -220,10 +136,10 @@ def test_a_batch_reaches_the_socket_in_a_few_writes(broker: Broker, monkeypatch)
 def test_batches_in_flight_together_are_collected_in_order(broker: Broker) -> None:
     """The relay writes batch 2 before it waits for batch 1: confirms (``multiple``
     included) and returns are matched to the right batch."""
-    queue = broker.queue("ORDER_CREATED")  # ORDER_PAID has no binding
-    first = make_rows(300)
-    second = make_rows(2, start=1000) + make_rows(1, event_type="ORDER_PAID", start=2000)
-    third = make_rows(50, start=3000)
+    queue = broker.declare_queue("ORDER_CREATED")  # ORDER_PAID has no binding
+    first = wire_rows(300)
+    second = wire_rows(2, start=1000) + wire_rows(1, event_type="ORDER_PAID", start=2000)
+    third = wire_rows(50, start=3000)
     with backend_for(broker) as backend:
         backend.send(first)
         backend.send(second)
@@ -243,28 +159,28 @@ def test_connection_lost_under_two_batches_fails_both_and_the_next_send_reconnec
 ) -> None:
     with through_proxy(broker, proxied) as (proxy, queue, backend):
         proxy.pause()  # written, never confirmed
-        backend.send(make_rows(20))
-        backend.send(make_rows(20, start=100))
+        backend.send(wire_rows(20))
+        backend.send(wire_rows(20, start=100))
         proxy.cut()
         results = backend.wait() + backend.wait()
         assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
         proxy.resume()
-        backend.send(make_rows(3, start=500))
+        backend.send(wire_rows(3, start=500))
         assert [r.ok for r in backend.wait()] == [True] * 3
     assert len(broker.get_all(queue, 3, timeout=2)) >= 3
 
 
 def test_nack_from_a_full_reject_publish_queue(broker: Broker) -> None:
-    broker.queue("#", **{"x-max-length": 0, "x-overflow": "reject-publish"})
+    broker.declare_queue("#", arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
     with backend_for(broker) as backend:
-        results = backend.publish(make_rows(3))
+        results = backend.publish(wire_rows(3))
     assert [r.reason for r in results] == [Reason.NACKED] * 3
     assert all(not r.ok for r in results)
 
 
 def test_serialisation_failure_only_fails_that_row(broker: Broker) -> None:
-    queue = broker.queue("#")
-    rows = make_rows(3)
+    queue = broker.declare_queue("#")
+    rows = wire_rows(3)
     rows[1].payload = {"bad": object()}
     with backend_for(broker) as backend:
         results = backend.publish(rows)
@@ -278,8 +194,8 @@ def test_headers_amqp_cannot_encode_fail_only_that_row(broker: Broker) -> None:
     not, and pika raises while building the frame. That is the message's fault, not the
     connection's: the row fails as SERIALISATION, the rest of the batch goes out and the
     delivery tags stay in step."""
-    queue = broker.queue("#")
-    rows = make_rows(6)
+    queue = broker.declare_queue("#")
+    rows = wire_rows(6)
     rows[1].headers = {"schema_version": 1.5}
     rows[3].headers = {"big": 2**64}
     rows[4].event_type = "LONG"  # routed to a key longer than AMQP's 255 bytes
@@ -288,24 +204,24 @@ def test_headers_amqp_cannot_encode_fail_only_that_row(broker: Broker) -> None:
         assert [r.ok for r in results] == [True, False, True, False, False, True]
         assert {results[i].reason for i in (1, 3, 4)} == {Reason.SERIALISATION}
         assert "type float" in results[1].error
-        more = backend.publish(make_rows(3, start=10))
+        more = backend.publish(wire_rows(3, start=10))
     assert [r.ok for r in more] == [True, True, True]
     assert len(broker.get_all(queue, 6)) == 6
 
 
 def test_timeout_when_the_broker_stops_answering(broker: Broker, proxied) -> None:
     proxy, url = proxied
-    queue = broker.queue("#")
+    queue = broker.declare_queue("#")
     backend = backend_for(broker, url, confirm_timeout=0.5)
     try:
         backend.open()
         proxy.pause()  # the broker gets the messages, its confirms never come back
-        results = backend.publish(make_rows(5))
+        results = backend.publish(wire_rows(5))
         assert [r.reason for r in results] == [Reason.TIMEOUT] * 5
         assert "OUTBOX_CONFIRM_TIMEOUT" in results[0].error
         proxy.resume()
         # The late confirms of the first batch must not settle the second one.
-        later = backend.publish(make_rows(3, start=100))
+        later = backend.publish(wire_rows(3, start=100))
         assert [r.ok for r in later] == [True, True, True]
     finally:
         backend.close()
@@ -330,7 +246,7 @@ def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
 
         cutter = threading.Thread(target=cut_once_confirms_came_back)
         cutter.start()
-        results = backend.publish(make_rows(200))
+        results = backend.publish(wire_rows(200))
         cutter.join()
         oks = [r.ok for r in results]
         confirmed = oks.index(False)
@@ -343,11 +259,11 @@ def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
         proxy.resume()
         started = time.monotonic()
         with pytest.raises(BrokerUnavailable, match="cannot connect to RabbitMQ"):
-            backend.publish(make_rows(1, start=500))
+            backend.publish(wire_rows(1, start=500))
         assert time.monotonic() - started < 5
 
         proxy.allow()
-        again = backend.publish(make_rows(4, start=1000))
+        again = backend.publish(wire_rows(4, start=1000))
         assert [r.ok for r in again] == [True] * 4
     delivered = len(broker.get_all(queue, confirmed + 4, timeout=2))
     assert delivered >= confirmed + 4
@@ -364,7 +280,7 @@ def test_unreachable_broker_raises_quickly_with_a_masked_url(amqp_url: str) -> N
     backend = PikaBackend(broker_url=url, exchange="never.declared", connect_timeout=3)
     started = time.monotonic()
     with pytest.raises(BrokerUnavailable) as info:
-        backend.publish(make_rows(2))
+        backend.publish(wire_rows(2))
     assert time.monotonic() - started < 3
     assert "s3cret" not in str(info.value)
     assert "amqp://app:***@127.0.0.1" in str(info.value)
@@ -380,30 +296,30 @@ def test_passive_declare_of_a_missing_exchange_says_how_to_fix(broker: Broker) -
         backend.open()
     backend.close()
     broker.declare_exchange()
-    queue = broker.queue("#")
+    queue = broker.declare_queue("#")
     with backend_for(broker, exchange_passive=True) as backend:
-        assert backend.publish(make_rows(1))[0].ok
+        assert backend.publish(wire_rows(1))[0].ok
     assert len(broker.get_all(queue, 1)) == 1
 
 
 def test_channel_error_is_connection_lost_and_the_next_publish_reopens(broker: Broker) -> None:
-    queue = broker.queue("#")
+    queue = broker.declare_queue("#")
     with backend_for(broker) as backend:
-        assert backend.publish(make_rows(1))[0].ok
+        assert backend.publish(wire_rows(1))[0].ok
         broker.channel.exchange_delete(broker.exchange)  # publishing now closes the channel
-        results = backend.publish(make_rows(2, start=10))
+        results = backend.publish(wire_rows(2, start=10))
         assert [r.reason for r in results] == [Reason.CONNECTION_LOST] * 2
         broker.channel.queue_bind(queue, broker.declare_exchange(), routing_key="#")
-        assert backend.publish(make_rows(2, start=20))[0].ok
+        assert backend.publish(wire_rows(2, start=20))[0].ok
 
 
 def test_reconnects_after_the_broker_closed_an_idle_connection(broker: Broker, proxied) -> None:
     proxy, url = proxied
-    queue = broker.queue("#")
+    queue = broker.declare_queue("#")
     with backend_for(broker, url) as backend:
-        assert backend.publish(make_rows(1))[0].ok
+        assert backend.publish(wire_rows(1))[0].ok
         proxy.cut()  # while idle: noticed before the next batch is written
-        assert [r.ok for r in backend.publish(make_rows(3, start=10))] == [True] * 3
+        assert [r.ok for r in backend.publish(wire_rows(3, start=10))] == [True] * 3
     assert len(broker.get_all(queue, 4)) == 4
 
 
@@ -507,7 +423,7 @@ def test_relay_marks_rows_sent_only_when_confirmed(broker: Broker) -> None:
     from django_outbox.models import Status
     from django_outbox.relay import Relay
 
-    queue = broker.queue("ORDER_CREATED")  # ORDER_PAID is unroutable
+    queue = broker.declare_queue("ORDER_CREATED")  # ORDER_PAID is unroutable
     with outbox.atomic() as box:
         for n in range(3):
             box.emit(

@@ -20,7 +20,7 @@ from django.db import connections
 
 from django_outbox.models import OutboxEvent, Status
 from tests.conftest import IN_CI
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 

@@ -22,7 +22,7 @@ from orders.services import create_order
 from points.models import PointsLedger
 from points.tasks import award_points
 from tests import celery_tasks
-from tests.consumer_utils import make_event
+from tests.utils.rows import unsaved_event
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -158,7 +158,7 @@ def test_beat_schedule_matches_the_article():
 
 # -- consumer tasks ----------------------------------------------------------------------------
 def envelope(**kwargs) -> dict:
-    return encode_task_envelope(make_event(**kwargs))
+    return encode_task_envelope(unsaved_event(**kwargs))
 
 
 def test_award_task_runs_once_a_duplicate_is_a_successful_no_op(caplog):

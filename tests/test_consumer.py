@@ -19,7 +19,7 @@ from django_outbox.testing import relay_now
 from orders.services import create_order
 from points.handlers import AwardPointsHandler
 from points.models import PointsLedger
-from tests.consumer_utils import make_event
+from tests.utils.rows import unsaved_event
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,7 +35,7 @@ def received(event):
 
 def test_business_row_style_same_event_twice_gives_one_row():
     dispatcher = Dispatcher(handlers=[AwardPointsHandler])
-    event = received(make_event())
+    event = received(unsaved_event())
     first = dispatcher.process(event)
     second = dispatcher.process(event)
     assert [r.outcome for r in first] == [Outcome.PROCESSED]
@@ -46,7 +46,7 @@ def test_business_row_style_same_event_twice_gives_one_row():
 
 def test_inbox_style_same_event_twice_gives_one_row():
     dispatcher = Dispatcher(handlers=["tests.consumer_handlers.InboxPointsHandler"])
-    event = received(make_event())
+    event = received(unsaved_event())
     assert dispatcher.process(event)[0].outcome is Outcome.PROCESSED
     assert dispatcher.process(event)[0].outcome is Outcome.DUPLICATE
     assert PointsLedger.objects.count() == 1
@@ -56,7 +56,7 @@ def test_inbox_style_same_event_twice_gives_one_row():
 
 def test_other_integrity_error_is_a_failure_not_a_duplicate():
     dispatcher = Dispatcher(handlers=["tests.consumer_handlers.NegativePointsHandler"])
-    [result] = dispatcher.process(received(make_event()))
+    [result] = dispatcher.process(received(unsaved_event()))
     assert result.outcome is Outcome.FAILED
     assert "IntegrityError" in result.error
     assert PointsLedger.objects.count() == 0
@@ -64,7 +64,7 @@ def test_other_integrity_error_is_a_failure_not_a_duplicate():
 
 def test_handler_exception_rolls_back_its_writes():
     dispatcher = Dispatcher(handlers=["tests.consumer_handlers.FailingHandler"])
-    [result] = dispatcher.process(received(make_event()))
+    [result] = dispatcher.process(received(unsaved_event()))
     assert result.outcome is Outcome.FAILED
     assert "boom" in result.error
     assert PointsLedger.objects.count() == 0
@@ -72,7 +72,7 @@ def test_handler_exception_rolls_back_its_writes():
 
 def test_unknown_type_and_undecodable():
     dispatcher = Dispatcher(handlers=[AwardPointsHandler])
-    [unknown] = dispatcher.process(received(make_event("ORDER_CANCELLED")))
+    [unknown] = dispatcher.process(received(unsaved_event("ORDER_CANCELLED")))
     assert unknown.outcome is Outcome.UNKNOWN_TYPE
     [bad] = dispatcher.process_message(
         b"not json", message_id="m1", message_type="ORDER_CREATED", headers={}
@@ -137,7 +137,7 @@ def test_receive_gives_the_outcome_to_settle_by_and_each_handlers_result():
     dispatcher = Dispatcher(
         handlers=[AwardPointsHandler, "tests.consumer_handlers.InboxPointsHandler"]
     )
-    event = make_event()
+    event = unsaved_event()
     message = {
         "message_id": event.event_id,
         "message_type": event.event_type,

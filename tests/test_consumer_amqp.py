@@ -15,39 +15,18 @@ from django.core.management import call_command
 
 from django_outbox.consumer import Consumer, Outcome
 from points.models import PointsLedger
-from tests.consumer_utils import make_event, private_broker
+from tests.utils.amqp import AWARD, make_consumer
+from tests.utils.rows import unsaved_event
 from tests.utils.subprocess import django_env, manage_command
 from tests.utils.threads import db_thread
 from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
 
-AWARD = "points.handlers.AwardPointsHandler"
-
-
-@pytest.fixture
-def broker(amqp_url):
-    with private_broker(amqp_url) as broker:
-        yield broker
-
-
-def make_consumer(broker, handlers=(AWARD,), **options):
-    options.setdefault("retry_delay", 0)
-    consumer = Consumer(
-        handlers=list(handlers),
-        url=broker.url,
-        queue=broker.queue,
-        exchange=broker.exchange,
-        idle_timeout=0.5,
-        **options,
-    )
-    consumer.connect()  # declares the queue, its dead-letter queue and the bindings
-    return consumer
-
 
 def test_same_message_twice_one_row_two_acks(broker):
     consumer = make_consumer(broker)
-    event = make_event()
+    event = unsaved_event()
     broker.publish(event)
     broker.publish(event)
     result = consumer.run(until_idle=True)
@@ -66,7 +45,7 @@ def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_
         queue_type=queue_type,
         max_retries=2,
     )
-    event = make_event()
+    event = unsaved_event()
     broker.publish(event)
     result = consumer.run(until_idle=True)
     # 1 delivery + 2 retries, each rolled back; then the dead-letter queue.
@@ -81,7 +60,7 @@ def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_
 
 def test_failure_then_success_on_redelivery(broker):
     consumer = make_consumer(broker, handlers=["tests.consumer_handlers.FailingHandler"])
-    event = make_event()
+    event = unsaved_event()
     broker.publish(event)
     result = consumer.run(max_messages=1)
     assert result.counts[Outcome.FAILED] == 1
@@ -107,7 +86,7 @@ def test_undecodable_goes_to_the_dead_letter_queue_at_once(broker):
 
 def test_unknown_event_type_is_acked(broker):
     consumer = make_consumer(broker)
-    broker.publish(make_event("ORDER_SHIPPED"), routing_key="ORDER_CREATED")
+    broker.publish(unsaved_event("ORDER_SHIPPED"), routing_key="ORDER_CREATED")
     result = consumer.run(until_idle=True)
     assert result.counts[Outcome.UNKNOWN_TYPE] == 1
     assert broker.count(broker.queue) == 0
@@ -119,7 +98,7 @@ def test_thousand_events_with_redeliveries_exactly_once(broker, db_vendor):
     if db_vendor == "sqlite":
         pytest.skip("two concurrent consumers need PostgreSQL or MariaDB")
     make_consumer(broker).close()
-    events = [make_event(pk=i) for i in range(1, 1001)]
+    events = [unsaved_event(pk=i) for i in range(1, 1001)]
     for event in events:
         broker.publish(event)
     for event in events[::5]:  # 200 injected redeliveries
@@ -155,7 +134,7 @@ def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_pat
         "--handler",
         "tests.consumer_handlers.BlockingPointsHandler",
     )
-    event = make_event()
+    event = unsaved_event()
     broker.publish(event)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -184,7 +163,7 @@ def test_sigterm_finishes_the_message_in_hand_then_exits_0(broker, tmp_path):
         "--handler",
         "tests.consumer_handlers.BlockingPointsHandler",
     )
-    first, second = make_event(pk=1), make_event(pk=2)
+    first, second = unsaved_event(pk=1), unsaved_event(pk=2)
     broker.publish(first)
     broker.publish(second)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -206,7 +185,7 @@ def test_sigterm_finishes_the_message_in_hand_then_exits_0(broker, tmp_path):
 
 def test_json_prints_the_totals_as_one_object_instead_of_the_summary(broker, settings):
     make_consumer(broker).close()  # the queue and its bindings
-    event = make_event()
+    event = unsaved_event()
     broker.publish(event)
     broker.publish(event)
     settings.OUTBOX_BROKER_URL = broker.url
@@ -256,7 +235,7 @@ def test_reconnects_after_the_connection_is_lost(broker):
         thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
         thread.start()
         assert wait_for(lambda: consumer._channel is not None)
-        first, second = make_event(pk=1), make_event(pk=2)
+        first, second = unsaved_event(pk=1), unsaved_event(pk=2)
         broker.publish(first)
         assert wait_for(lambda: PointsLedger.objects.count() == 1)
         proxy.cut()

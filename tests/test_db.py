@@ -105,7 +105,7 @@ def test_the_figures_are_read_where_the_relay_writes_not_on_a_read_replica(setti
     from django_outbox.metrics import OutboxCollector
     from django_outbox.models import Status
     from django_outbox.purge import purge
-    from tests.outbox_rows import make_events
+    from tests.utils.rows import make_events
 
     make_events({"age": 60}, {"status": Status.DEAD, "age": 60})
     client = Client()

@@ -22,7 +22,7 @@ from django_outbox.consumer import ConsumeResult, Outcome
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
 from points.models import PointsLedger
-from tests.consumer_utils import make_event
+from tests.utils.rows import unsaved_event
 from tests.utils.subprocess import MANAGE, django_env
 
 TIMEOUT = 180
@@ -198,7 +198,7 @@ def test_in_process_broker_confirms_and_redelivers_what_was_not_acked():
     broker = InProcessBroker()
     backend = InProcessBrokerBackend(**_client(broker))
     try:
-        first, second = make_event(pk=1), make_event(pk=2)
+        first, second = unsaved_event(pk=1), unsaved_event(pk=2)
         results = backend.publish([first, second])
         assert [r.ok for r in results] == [True, True]
         assert len(broker) == 2

@@ -16,7 +16,7 @@ from django_outbox.purge import purge
 from django_outbox.relay import BrokerOutage, Relay
 from django_outbox.retry import FixedRetryPolicy
 from django_outbox.stats import db_now
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from django_outbox import metrics, outbox
 from django_outbox.models import Status
 from django_outbox.testing import relay_now
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy"
 SUFFIXES = {

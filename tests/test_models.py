@@ -12,7 +12,7 @@ from django.db import connection
 
 from django_outbox.conf import OutboxSettings
 from django_outbox.models import OutboxEvent, Status
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 ROOT = Path(__file__).resolve().parent.parent
 

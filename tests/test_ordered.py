@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -13,33 +12,16 @@ from django.test.utils import CaptureQueriesContext
 from django_outbox.backends import locmem
 from django_outbox.backends.base import Reason
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.relay import Relay
 from django_outbox.stats import db_now
+from tests.utils.relay import make_relay
+from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def rows(*specs: tuple[str, str] | dict[str, Any]) -> list[OutboxEvent]:
     """Insert due PENDING rows in the given order: ("ORDER", "1") or a dict of fields."""
-    now = db_now()
-    made = []
-    for spec in specs:
-        fields: dict[str, Any] = {
-            "event_id": uuid.uuid4().hex,
-            "event_type": "E",
-            "aggregate_type": "ORDER",
-            "aggregate_id": "1",
-            "payload": {},
-            "occurred_at": now,
-            "created_at": now,
-            "next_retry_time": now - timedelta(seconds=1),
-        }
-        if isinstance(spec, tuple):
-            fields["aggregate_type"], fields["aggregate_id"] = spec
-        else:
-            fields.update(spec)
-        made.append(OutboxEvent.objects.create(**fields))
-    return made
+    return make_events(*specs, event_type="E", aggregate_id="1", payload={}, due_age=1)
 
 
 def claim_ids(limit: int = 100, **kwargs: Any) -> list[int]:
@@ -142,11 +124,6 @@ def test_blocked_aggregates_lists_dead_heads_with_waiting_count():
     assert [(r.pk, r.waiting) for r in blocked] == [(a1.pk, 2)]
     assert list(OutboxEvent.objects.blocked_aggregates(ordered=True, dead_head="skip")) == []
     assert list(OutboxEvent.objects.blocked_aggregates(ordered=False)) == []
-
-
-def make_relay(**kwargs: Any) -> Relay:
-    kwargs.setdefault("backend", locmem.LocmemBackend())
-    return Relay(**kwargs)
 
 
 def sequences() -> list[tuple[str, int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
 
 import pytest
 
@@ -12,9 +11,9 @@ from django_outbox.consumer import Dispatcher, ImproperlyConfiguredHandler, Outc
 from django_outbox.message import decode, encode_body, encode_headers
 from django_outbox.models import AggregateSequence, OutboxEvent, Status
 from django_outbox.relay import Relay
-from django_outbox.stats import db_now
 from points.models import PointsLedger
-from tests.consumer_utils import make_event
+from tests.utils.amqp import make_consumer
+from tests.utils.rows import make_events, unsaved_event
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,20 +25,10 @@ ADOPT = "tests.consumer_handlers.OrderedAdoptingHandler"
 
 # -- the relay's side: the header ---------------------------------------------------------------
 def add_rows(*aggregates: str, event_type: str = "ORDER_EVENT") -> list[OutboxEvent]:
-    now = db_now()
-    return [
-        OutboxEvent.objects.create(
-            event_id=uuid.uuid4().hex,
-            event_type=event_type,
-            aggregate_type="ORDER",
-            aggregate_id=agg,
-            payload={},
-            occurred_at=now,
-            created_at=now,
-            next_retry_time=now - timedelta(seconds=1),
-        )
-        for agg in aggregates
-    ]
+    """Due PENDING rows of the ORDER aggregates named, in the given order."""
+    return make_events(
+        *(("ORDER", a) for a in aggregates), event_type=event_type, payload={}, due_age=1
+    )
 
 
 def headers_by_id() -> dict[int, dict]:
@@ -74,7 +63,7 @@ def test_previous_sequence_skips_a_skipped_dead_head(settings):
 
 
 def test_decode_reads_previous_sequence():
-    event = make_event(pk=20)
+    event = unsaved_event(pk=20)
     event.previous_sequence = 10
     received = decode(
         encode_body(event),
@@ -88,7 +77,7 @@ def test_decode_reads_previous_sequence():
 
 # -- the handlers' check ----------------------------------------------------------------------
 def ordered_event(sequence: int, previous: int | None, aggregate: str = "N1", event_id=None):
-    event = make_event("ORDER_EVENT", pk=sequence, event_id=event_id or uuid.uuid4().hex)
+    event = unsaved_event("ORDER_EVENT", pk=sequence, event_id=event_id or uuid.uuid4().hex)
     event.aggregate_id = aggregate
     if previous is not None:
         event.previous_sequence = previous
@@ -174,32 +163,8 @@ def test_bad_out_of_order_value_is_a_configuration_error():
 
 
 # -- over RabbitMQ -------------------------------------------------------------------------------
-@pytest.fixture
-def broker(amqp_url):
-    from tests.consumer_utils import private_broker
-
-    with private_broker(amqp_url) as b:
-        yield b
-
-
-def make_consumer(broker, handler: str):
-    from django_outbox.consumer import Consumer
-
-    consumer = Consumer(
-        handlers=[handler],
-        url=broker.url,
-        queue=broker.queue,
-        exchange=broker.exchange,
-        idle_timeout=0.5,
-        retry_delay=0,
-        queue_type="classic",
-    )
-    consumer.connect()
-    return consumer
-
-
 def publish_ordered(broker, sequence: int, previous: int) -> str:
-    event = make_event("ORDER_EVENT", pk=sequence)
+    event = unsaved_event("ORDER_EVENT", pk=sequence)
     event.aggregate_id = "N1"
     event.previous_sequence = previous
     broker.publish(event)
@@ -207,7 +172,7 @@ def publish_ordered(broker, sequence: int, previous: int) -> str:
 
 
 def test_consumer_parks_an_early_message_and_processes_it_after_its_predecessor(broker):
-    consumer = make_consumer(broker, PARK)
+    consumer = make_consumer(broker, [PARK], queue_type="classic")
     publish_ordered(broker, 20, 10)
     publish_ordered(broker, 10, 0)
     result = consumer.run(until_idle=True)
@@ -218,7 +183,7 @@ def test_consumer_parks_an_early_message_and_processes_it_after_its_predecessor(
 
 
 def test_consumer_dead_letters_a_rejected_early_message(broker):
-    consumer = make_consumer(broker, REJECT)
+    consumer = make_consumer(broker, [REJECT], queue_type="classic")
     early = publish_ordered(broker, 20, 10)
     publish_ordered(broker, 10, 0)
     result = consumer.run(until_idle=True)

@@ -20,7 +20,6 @@ import random
 import signal
 import subprocess
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,9 +33,10 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from django_outbox.models import OutboxEvent, Status
-from tests.consumer_utils import Broker, private_broker
 from tests.ordered_settings import ROUTABLE
+from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy
+from tests.utils.rows import make_events
 from tests.utils.subprocess import django_env, manage_command
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -48,12 +48,10 @@ def _row_locks() -> None:
         pytest.skip("several relays need row locks (PostgreSQL or MariaDB)")
 
 
-@pytest.fixture
-def broker(amqp_url: str) -> Iterator[Broker]:
-    with private_broker(amqp_url) as b:
-        b.channel.queue_declare(b.queue, durable=True)
-        b.channel.queue_bind(b.queue, b.exchange, routing_key=ROUTABLE)
-        yield b
+@pytest.fixture(autouse=True)
+def _queue(broker: Broker) -> None:
+    """The queue the checks read, bound to the one routing key that is not unroutable."""
+    broker.declare_queue(ROUTABLE, name=broker.queue, durable=True)
 
 
 # -- the backlog -------------------------------------------------------------------------------
@@ -67,8 +65,7 @@ def write_backlog(
 ) -> None:
     """``events`` rounds; each round adds one event to every aggregate, in a shuffled order."""
     rng = random.Random(seed)
-    now = timezone.now()
-    rows = []
+    specs = []
     for n in range(events):
         order = list(range(aggregates))
         rng.shuffle(order)
@@ -78,19 +75,8 @@ def write_backlog(
                 payload["fail"] = "always"
             elif rng.random() < fail_first:
                 payload["fail"] = "first"
-            rows.append(
-                OutboxEvent(
-                    event_id=uuid.uuid4().hex,
-                    event_type="ORDER_EVENT",
-                    aggregate_type="ORDER",
-                    aggregate_id=f"A{a}",
-                    payload=payload,
-                    occurred_at=now,
-                    created_at=now,
-                    next_retry_time=now,
-                )
-            )
-    OutboxEvent.objects.bulk_create(rows, batch_size=2000)
+            specs.append({"aggregate_id": f"A{a}", "payload": payload})
+    make_events(*specs, event_type="ORDER_EVENT")
 
 
 def expected_ids() -> dict[str, list[int]]:

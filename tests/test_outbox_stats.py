@@ -13,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from django_outbox.models import Status
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from io import StringIO
 
 import pytest
@@ -12,25 +11,16 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_outbox import outbox
-from django_outbox.db import DbNow
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.purge import RetentionTooShort, purge
+from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def make_rows(n: int, *, status: int, age_days: float) -> list[int]:
-    """n rows in ``status`` whose created_at is ``age_days`` ago by the database clock."""
-    with outbox.atomic() as box:
-        for i in range(n):
-            box.emit("E", aggregate_type="T", aggregate_id=str(i), payload={"i": i})
-        event_ids = [e.event_id for e in box.events]
-    ids = list(OutboxEvent.objects.filter(event_id__in=event_ids).values_list("pk", flat=True))
-    OutboxEvent.objects.filter(pk__in=ids).update(
-        status=status, created_at=DbNow() - timedelta(days=age_days)
-    )
-    return ids
+    """The ids of n rows in ``status`` whose created_at is ``age_days`` ago (database clock)."""
+    return [row.pk for row in make_events(*[{"status": status, "age": age_days * 86400}] * n)]
 
 
 def counts() -> dict[str, int]:

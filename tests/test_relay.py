@@ -17,8 +17,9 @@ from django_outbox.backends import locmem
 from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.querysets import CLAIM_FIELDS
-from django_outbox.relay import BrokerOutage, Relay, Stage
+from django_outbox.relay import BrokerOutage, Stage
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
+from tests.utils.relay import make_relay
 from tests.utils.threads import db_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -30,11 +31,6 @@ def emit_many(n: int, event_type: str = "E") -> list[OutboxEvent]:
             box.emit(event_type, aggregate_type="T", aggregate_id=str(i), payload={"i": i})
         events = list(box.events)
     return events
-
-
-def make_relay(**kwargs) -> Relay:
-    kwargs.setdefault("backend", locmem.LocmemBackend())
-    return Relay(**kwargs)
 
 
 def test_drain_publishes_in_id_order_and_marks_sent():

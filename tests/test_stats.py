@@ -11,7 +11,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_outbox import outbox, stats
 from django_outbox.models import OutboxEvent, Status
-from tests.outbox_rows import make_events
+from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy
 
-from .harness import FaultBroker, Processes, Verdict
+from .harness import Processes, Verdict
 
 _VERDICTS: list[tuple[str, Verdict]] = []
 
@@ -31,14 +32,7 @@ def _needs_row_locks(db_vendor: str) -> None:
 
 
 @pytest.fixture
-def broker(amqp_url: str) -> Iterator[FaultBroker]:
-    b = FaultBroker(amqp_url)
-    yield b
-    b.close()
-
-
-@pytest.fixture
-def proxy(broker: FaultBroker) -> Iterator[tuple[TcpProxy, str]]:
+def proxy(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
     """A TcpProxy in front of RabbitMQ and the AMQP URL that goes through it."""
     p, url = TcpProxy.for_url(broker.url)
     yield p, url
@@ -46,7 +40,7 @@ def proxy(broker: FaultBroker) -> Iterator[tuple[TcpProxy, str]]:
 
 
 @pytest.fixture
-def procs(tmp_path: Path, broker: FaultBroker) -> Iterator[Processes]:
+def procs(tmp_path: Path, broker: Broker) -> Iterator[Processes]:
     p = Processes(tmp_path, broker)
     yield p
     p.cleanup()  # before the database is flushed: a frozen relay would hold its locks

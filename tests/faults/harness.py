@@ -20,73 +20,20 @@ import re
 import signal
 import subprocess
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pika
 from django.db import connection
 
 from django_outbox import outbox
 from django_outbox.models import OutboxEvent, Status
+from tests.utils.amqp import Broker
 from tests.utils.subprocess import django_env, manage_command
 
 CHILD_SETTINGS = "tests.faults.child_settings"
-
-
-# --- the broker side ---------------------------------------------------------------------
-class FaultBroker:
-    """A uniquely named exchange and queue (bound with ``#``), deleted at the end.
-
-    :meth:`collect` moves whatever is in the queue into :attr:`received`, a count of
-    deliveries per event_id (the AMQP ``message_id``).
-    """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        suffix = uuid.uuid4().hex[:10]
-        self.exchange = f"test.faults.{suffix}"
-        self.queue = f"test.faults.{suffix}.all"
-        self.received: Counter[str] = Counter()
-        self._queues: list[str] = []
-        self._connection = pika.BlockingConnection(pika.URLParameters(url))
-        self.channel = self._connection.channel()
-        self.channel.exchange_declare(self.exchange, exchange_type="topic", durable=True)
-
-    def declare_queue(
-        self, name: str, routing_key: str, arguments: dict[str, Any] | None = None
-    ) -> str:
-        self.channel.queue_declare(name, durable=False, arguments=arguments)
-        self._queues.append(name)
-        self.channel.queue_bind(name, self.exchange, routing_key=routing_key)
-        return name
-
-    def bind_all(self, routing_key: str = "#") -> None:
-        """Declare the queue the verdict reads, bound to ``routing_key``."""
-        self.declare_queue(self.queue, routing_key)
-
-    def collect(self) -> Counter[str]:
-        """Drain the queue into :attr:`received` (auto-ack) and return it."""
-        self.channel.basic_qos(prefetch_count=2000)
-        for method, props, _body in self.channel.consume(
-            self.queue, auto_ack=True, inactivity_timeout=0.5
-        ):
-            if method is None:
-                break
-            self.received[props.message_id] += 1
-        self.channel.cancel()
-        return self.received
-
-    def close(self) -> None:
-        try:
-            for name in self._queues:
-                self.channel.queue_delete(name)
-            self.channel.exchange_delete(self.exchange)
-        finally:
-            self._connection.close()
 
 
 # --- child processes ---------------------------------------------------------------------
@@ -146,7 +93,7 @@ class Processes:
     child (without the prefix), on top of tests/faults/child_settings.py.
     """
 
-    def __init__(self, workdir: Path, broker: FaultBroker) -> None:
+    def __init__(self, workdir: Path, broker: Broker) -> None:
         self.workdir = workdir
         self.broker = broker
         self.children: list[Child] = []
@@ -316,7 +263,7 @@ class Verdict:
 
 def check_invariants(
     scenario: str,
-    broker: FaultBroker,
+    broker: Broker,
     record: Callable[[Verdict], None],
     *,
     crashed: bool,

@@ -168,8 +168,8 @@ def test_poison_event_goes_dead_with_one_alert_while_others_flow(broker, procs, 
     broker.bind_all("#" if routable else "EV")
     if poison == "nacked":
         broker.declare_queue(
-            f"{broker.queue}.full",
             "POISON",
+            name=f"{broker.queue}.full",
             arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
         )
     emit(20)

@@ -1,0 +1,113 @@
+"""Outbox rows for tests: the one place that builds them.
+
+- :func:`make_events` inserts rows at chosen ages, measured back from the database clock as
+  the relay and the figures measure them;
+- :func:`unsaved_event` builds a row that is never saved, only handed to the encoders, a
+  backend or a consumer; :func:`wire_rows` is a batch of them whose every field shows on
+  the wire.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+
+from django.db import connections
+from django.utils import timezone as django_timezone
+
+from django_outbox.models import OutboxEvent, Status, outbox_db
+from django_outbox.stats import db_now
+
+#: ``occurred_at`` of :func:`wire_rows`: microseconds, so that their encoding shows.
+OCCURRED = datetime(2026, 5, 17, 8, 30, 15, 123456, tzinfo=timezone.utc)
+
+
+def make_events(*specs: dict[str, Any] | tuple[str, str], **common: Any) -> list[OutboxEvent]:
+    """Insert one row per spec, in order (ids ascending), and return them with their ids.
+
+    A spec is a dict of fields plus ``age`` (seconds since created_at, default 0),
+    ``sent_age`` (since sent_at, for SENT rows; default ``age``) and ``due_age`` (since
+    next_retry_time; default ``age``); or an ``(aggregate_type, aggregate_id)`` pair.
+    ``common`` applies to every row, under each spec.
+    """
+    now = db_now()
+    rows = []
+    for spec in specs:
+        if isinstance(spec, tuple):
+            spec = {"aggregate_type": spec[0], "aggregate_id": spec[1]}
+        fields = {**common, **spec}
+        age = fields.pop("age", 0.0)
+        sent_age = fields.pop("sent_age", age)
+        due_age = fields.pop("due_age", age)
+        status = fields.pop("status", Status.PENDING)
+        created = now - timedelta(seconds=age)
+        rows.append(
+            OutboxEvent(
+                **{
+                    "event_id": uuid.uuid4().hex,
+                    "event_type": "ORDER_CREATED",
+                    "aggregate_type": "ORDER",
+                    "aggregate_id": "A-1",
+                    "payload": {"n": 1},
+                    "occurred_at": created,
+                    "created_at": created,
+                    "next_retry_time": now - timedelta(seconds=due_age),
+                    "status": status,
+                    "sent_at": now - timedelta(seconds=sent_age) if status == Status.SENT else None,
+                    **fields,
+                }
+            )
+        )
+    using = outbox_db()
+    if connections[using].features.can_return_rows_from_bulk_insert:
+        return OutboxEvent.objects.using(using).bulk_create(rows, batch_size=2000)
+    for row in rows:  # MySQL returns no ids from a bulk insert
+        row.save(using=using, force_insert=True)
+    return rows
+
+
+def unsaved_event(
+    event_type: str = "ORDER_CREATED", *, pk: int = 1, payload: Any = None, **fields: Any
+) -> OutboxEvent:
+    """A row with a pk that is never saved; its default payload is an order the points
+    service's handler can award points for."""
+    now = django_timezone.now()
+    if payload is None:
+        payload = {"order_id": pk, "number": f"N{pk}", "user_id": 7, "amount": Decimal("12.50")}
+    return OutboxEvent(
+        **{
+            "pk": pk,
+            "event_id": uuid.uuid4().hex,
+            "event_type": event_type,
+            "aggregate_type": "ORDER",
+            "aggregate_id": f"N{pk}",
+            "payload": payload,
+            "headers": {},
+            "occurred_at": now,
+            "next_retry_time": now,
+            "created_at": now,
+            **fields,
+        }
+    )
+
+
+def wire_rows(
+    count: int, *, event_type: str = "ORDER_CREATED", start: int = 1
+) -> list[OutboxEvent]:
+    """Unsaved rows numbered from ``start``, as the relay hands them to a backend: a
+    non-ASCII payload, a header of their own and :data:`OCCURRED`."""
+    return [
+        unsaved_event(
+            event_type,
+            pk=pk,
+            aggregate_type="orders.Order",
+            aggregate_id=f"A-{pk}",
+            payload={"order_id": pk, "total": "12.50", "note": "über"},
+            headers={"trace_id": f"t-{pk}"},
+            occurred_at=OCCURRED,
+            retry_count=0,
+        )
+        for pk in range(start, start + count)
+    ]
