@@ -565,6 +565,11 @@ class Consumer:
         idle_timeout: float = 1.0,
     ) -> None:
         self.dispatcher = Dispatcher(handlers=handlers)
+        if not self.dispatcher.handlers:
+            raise ImproperlyConfiguredHandler(
+                "No handlers to run: set OUTBOX_CONSUMER_HANDLERS, pass --handler, or define "
+                "IdempotentHandler subclasses in an installed app's handlers.py."
+            )
         self.url = url or outbox_settings.BROKER_URL
         if not self.url:
             raise ImproperlyConfiguredHandler(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")

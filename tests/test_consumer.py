@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from io import StringIO
+
 import pytest
+from django.core.management import CommandError, call_command
 
 from django_outbox.backends import locmem
 from django_outbox.consumer import (
+    Consumer,
     ConsumeResult,
     Dispatcher,
     ImproperlyConfiguredHandler,
@@ -171,3 +175,13 @@ def test_consume_result_as_dict_lists_every_outcome():
         },
         "dead_lettered": 1,
     }
+
+
+def test_a_consumer_without_handlers_is_a_configuration_error(settings, monkeypatch):
+    settings.OUTBOX_CONSUMER_HANDLERS = []
+    monkeypatch.setattr("django_outbox.consumer.discover_handlers", lambda: [])  # no apps' ones
+    with pytest.raises(ImproperlyConfiguredHandler, match="No handlers to run"):
+        Consumer()
+    with pytest.raises(CommandError, match="No handlers to run") as info:
+        call_command("consume_outbox", stderr=StringIO())
+    assert info.value.returncode == 2
