@@ -30,14 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections, router, transaction
+from django.db import connections, transaction
 
 from .. import metrics
 from ..backends import get_backend
 from ..backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
 from ..conf import outbox_settings
 from ..db import tidy_connections
-from ..models import OutboxEvent, Status
+from ..models import OutboxEvent, Status, outbox_db
 from ..querysets import OutboxEventQuerySet
 from ..retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 from ..worker import Backoff, Heartbeat, keep_running
@@ -99,7 +99,7 @@ class Relay:
         self.policy = policy or ScheduleRetryPolicy.from_settings()
         self.source = source
         self.job = job
-        self.using = using or router.db_for_write(OutboxEvent) or DEFAULT_DB_ALIAS
+        self.using = outbox_db(using)
         heartbeat = outbox_settings.HEARTBEAT_FILE if heartbeat_file is None else heartbeat_file
         self.heartbeat = Heartbeat(heartbeat)
         self.db_thread = db_thread  # None: OUTBOX_DB_THREAD
