@@ -31,8 +31,10 @@ class Codes:
     ALERTS = "django_outbox.E010"
     RETENTION = "django_outbox.W011"
     ORDERED_ISOLATION = "django_outbox.W012"
-    CELERY_APP = "django_outbox.E013"  # reported by backends.celery.CeleryBackend.check()
+    # Reported by backends.celery.CeleryBackend.check():
+    CELERY_NO_CONFIRMS = "django_outbox.E013"
     ORDERED_DEAD_HEAD = "django_outbox.E014"  # split from E009, which named two problems
+    CELERY_APP = "django_outbox.E015"  # split from E013, which named two problems
 
 
 class Messages:

@@ -252,10 +252,12 @@ def test_checks_reject_a_broker_without_confirms_and_a_bad_app_path(settings):
     settings.OUTBOX_BACKEND = "django_outbox.backends.celery.CeleryBackend"
     settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.REDIS_APP"
     errors = CeleryBackend.check()
-    assert [e.id for e in errors] == [Codes.CELERY_APP]
+    assert [e.id for e in errors] == [Codes.CELERY_NO_CONFIRMS] == ["django_outbox.E013"]
     assert "'redis' transport" in errors[0].msg
     settings.OUTBOX_CELERY_APP = "tests.nowhere.app"
-    assert [e.id for e in CeleryBackend.check()] == [Codes.CELERY_APP]
+    errors = CeleryBackend.check()
+    assert [e.id for e in errors] == [Codes.CELERY_APP] == ["django_outbox.E015"]
+    assert "cannot be loaded" in errors[0].msg
     settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.AMQP_APP"
     assert CeleryBackend.check() == []
     settings.OUTBOX_CELERY_APP = "tests.test_backend_celery.FAILOVER_APP"

@@ -155,7 +155,7 @@ class CeleryBackend(SyncBackend, AmqpBackend):
                     hint="Use RabbitMQ as the Celery broker (amqp://...), or "
                     "OUTBOX_BACKEND = 'django_outbox.backends.pika.PikaBackend' with "
                     "OUTBOX_BROKER_URL.",
-                    id=Codes.CELERY_APP,
+                    id=Codes.CELERY_NO_CONFIRMS,
                 )
             ]
         return []
