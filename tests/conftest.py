@@ -11,6 +11,7 @@ import pytest
 
 from django_outbox.backends import locmem
 from tests.utils.amqp import Broker
+from tests.utils.proxy import TcpProxy
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -68,6 +69,15 @@ def broker(amqp_url: str) -> Iterator[Broker]:
     b = Broker(amqp_url)
     yield b
     b.close()
+
+
+@pytest.fixture
+def proxied(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
+    """A TcpProxy in front of RabbitMQ, and the AMQP URL that goes through it: the way
+    tests cut, pause or refuse the broker without touching the shared server."""
+    proxy, url = TcpProxy.for_url(broker.url)
+    yield proxy, url
+    proxy.close()
 
 
 @pytest.fixture(autouse=True)

@@ -27,13 +27,6 @@ from tests.utils.rows import OCCURRED, wire_rows
 pytestmark = pytest.mark.amqp
 
 
-@pytest.fixture
-def proxied(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
-    proxy, url = TcpProxy.for_url(broker.url)
-    yield proxy, url
-    proxy.close()
-
-
 def backend_for(broker: Broker, url: str | None = None, **options: object) -> PikaBackend:
     return PikaBackend(broker_url=url or broker.url, exchange=broker.exchange, **options)
 

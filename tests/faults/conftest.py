@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.utils.amqp import Broker
-from tests.utils.proxy import TcpProxy
 
 from .harness import Processes, Verdict
 
@@ -29,14 +28,6 @@ def _needs_row_locks(db_vendor: str) -> None:
             "MariaDB/MySQL (SQLite has no row locks); run it with DATABASE_URL=postgres://... "
             "or mysql://..."
         )
-
-
-@pytest.fixture
-def proxy(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
-    """A TcpProxy in front of RabbitMQ and the AMQP URL that goes through it."""
-    p, url = TcpProxy.for_url(broker.url)
-    yield p, url
-    p.close()
 
 
 @pytest.fixture

@@ -107,7 +107,7 @@ class Held:
 WAITING_BACKLOG = 400  # the waiting relay holds 300 (three batches of 100); 100 are free
 
 
-def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings):
+def _leased_by_a_waiting_relay(proxied, procs, *, relay_args=(), **outbox_settings):
     """A relay holding published batches whose confirms the proxy holds back.
 
     The relay first delivers one event (so it is connected), then the proxy stops passing
@@ -115,7 +115,7 @@ def _leased_by_a_waiting_relay(proxy, procs, *, relay_args=(), **outbox_settings
     to the broker (the messages do reach the queue), claims a third ahead and waits for
     confirms.
     """
-    tcp, url = proxy
+    tcp, url = proxied
     emit(1)
     relay = procs.relay(
         "--batch-size", "100", *relay_args, name="waiting", BROKER_URL=url, **outbox_settings
@@ -141,7 +141,9 @@ def leases(event_ids: set[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("freeze", ["confirms in hand", "confirm wait expired"])
-def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, procs, record, freeze):
+def test_sigstop_past_the_lease_then_sigcont_changes_nothing(
+    broker, proxied, procs, record, freeze
+):
     """Relay A is frozen (SIGSTOP) with a batch in flight and the next claimed ahead. Once
     its lease has run out relay B claims those rows and is itself waiting for their
     confirms when A is resumed (SIGCONT) and settles its stale batch: that must change no
@@ -154,12 +156,12 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
     run out, so it tries to count a failed attempt against each row.
     """
     broker.bind_all()
-    tcp_a, _ = proxy
+    tcp_a, _ = proxied
     # A 6 s lease: B starts and delivers the rows A did not claim before A's lease ends.
     options: dict[str, Any] = {"LEASE_SECONDS": 6.0}
     if freeze == "confirms in hand":
         options.update(relay_args=("--skip-checks",), CONFIRM_TIMEOUT=60.0)
-    frozen, held = _leased_by_a_waiting_relay(proxy, procs, **options)
+    frozen, held = _leased_by_a_waiting_relay(proxied, procs, **options)
     frozen.signal(signal.SIGSTOP)
     tcp_a.resume()  # A's confirms now wait in its socket
     batch = held.all
@@ -223,12 +225,14 @@ def test_sigstop_past_the_lease_then_sigcont_changes_nothing(broker, proxy, proc
     assert verdict.duplicates <= len(held.published)
 
 
-def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxy, procs, record):
+def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxied, procs, record):
     """SIGTERM while a batch waits for confirms: they are awaited, settled, then exit 0."""
     broker.bind_all()
-    tcp, _ = proxy
+    tcp, _ = proxied
     # A roomy confirm timeout: the confirms must come in time even on a loaded machine.
-    relay, held = _leased_by_a_waiting_relay(proxy, procs, LEASE_SECONDS=20.0, CONFIRM_TIMEOUT=10.0)
+    relay, held = _leased_by_a_waiting_relay(
+        proxied, procs, LEASE_SECONDS=20.0, CONFIRM_TIMEOUT=10.0
+    )
     relay.signal(signal.SIGTERM)
     time.sleep(0.5)
     assert relay.alive(), "the relay exited without waiting for its confirms"
@@ -249,12 +253,12 @@ def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxy, pr
     check_invariants("SIGTERM with confirms outstanding", broker, record, crashed=False)
 
 
-def test_second_sigterm_exits_1_and_the_batch_comes_back(broker, proxy, procs, record):
+def test_second_sigterm_exits_1_and_the_batch_comes_back(broker, proxied, procs, record):
     """A second SIGTERM does not wait for the confirms: exit 1, the batch stays claimed
     until its lease runs out, then another relay delivers it."""
     broker.bind_all()
-    tcp, _ = proxy
-    relay, held = _leased_by_a_waiting_relay(proxy, procs)
+    tcp, _ = proxied
+    relay, held = _leased_by_a_waiting_relay(proxied, procs)
     relay.signal(signal.SIGTERM)
     time.sleep(0.3)
     relay.signal(signal.SIGTERM)

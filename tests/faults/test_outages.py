@@ -20,12 +20,12 @@ pytestmark = [pytest.mark.amqp, pytest.mark.slow, pytest.mark.django_db(transact
 SHORT_SCHEDULE = [0.2, 0.2, 0.2]
 
 
-def test_broker_cut_longer_than_the_schedule_burns_no_retries(broker, proxy, procs, record):
+def test_broker_cut_longer_than_the_schedule_burns_no_retries(broker, proxied, procs, record):
     """Events keep being committed while the relay's broker connections are cut and refused
     for 4 s: several times the whole retry schedule. Nothing goes DEAD, no attempt is
     counted, and the backlog drains once the broker is back."""
     broker.bind_all()
-    tcp, url = proxy
+    tcp, url = proxied
     relay = procs.relay(
         "--batch-size", "50", name="relay", BROKER_URL=url, RETRY_SCHEDULE=SHORT_SCHEDULE
     )
@@ -56,13 +56,13 @@ def test_broker_cut_longer_than_the_schedule_burns_no_retries(broker, proxy, pro
     check_invariants("broker connection cut for 4 s mid-stream", broker, record, crashed=True)
 
 
-def test_broker_that_stops_answering_confirms_nothing_falsely(broker, proxy, procs, record):
+def test_broker_that_stops_answering_confirms_nothing_falsely(broker, proxied, procs, record):
     """The broker keeps receiving but its answers are held back for 5 s: batches time out
     (an attempt each, by design) and the held confirms of those old batches all arrive at
     once afterwards, mixed with the new batches' ones. No late confirm may be matched to a
     row it does not belong to, and the backlog drains after."""
     broker.bind_all()
-    tcp, url = proxy
+    tcp, url = proxied
     relay = procs.relay(
         "--batch-size", "50", name="relay", BROKER_URL=url, RETRY_SCHEDULE=[0.5] * 10
     )
@@ -81,9 +81,9 @@ def test_broker_that_stops_answering_confirms_nothing_falsely(broker, proxy, pro
     check_invariants("broker answers held for 5 s (late confirms)", broker, record, crashed=True)
 
 
-def test_compensator_during_an_outage_exits_2_and_burns_nothing(broker, proxy, procs, record):
+def test_compensator_during_an_outage_exits_2_and_burns_nothing(broker, proxied, procs, record):
     broker.bind_all()
-    tcp, url = proxy
+    tcp, url = proxied
     emit(200)
     tcp.refuse()
     time.sleep(0.2)  # older than --stale-after
