@@ -15,6 +15,10 @@ A message carries the payload as its JSON body and everything else in AMQP prope
                     has not processed it yet knows this event came early
 =================  ===========================================================
 
+Nor may they use the names the broker and the consumer count deliveries in
+(``x-delivery-count``, ``x-death``, ``x-first-death-*``, ``x-last-death-*``,
+``x-outbox-*``): see :func:`is_reserved_header`.
+
 A Celery task message (``django_outbox.backends.celery.CeleryBackend`` with a task
 configured for the event type) carries the same fields as one JSON-compatible argument,
 the *task envelope* built by :func:`encode_task_envelope`: ``event_id``, ``event_type``,
@@ -39,6 +43,23 @@ CONTENT_TYPE = "application/json"
 RESERVED_HEADERS = frozenset(
     {"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence", "previous_sequence"}
 )
+#: Where the broker and the consumer count deliveries (a quorum queue's x-delivery-count,
+#: a classic queue consumer's x-outbox-delivery) and RabbitMQ records dead-lettering
+#: (x-death, x-first-death-*, x-last-death-*). A producer that set one would change how
+#: often its message is retried, so an event's own headers may not use them, nor any other
+#: name in this package's x-outbox- namespace.
+DELIVERY_HEADERS = frozenset({"x-delivery-count", "x-death"})
+DELIVERY_HEADER_PREFIXES = ("x-outbox-", "x-first-death-", "x-last-death-")
+
+
+def is_reserved_header(name: str) -> bool:
+    """Whether an event's own headers may not use ``name``: the relay sets it, or the
+    broker or the consumer counts deliveries in it."""
+    return (
+        name in RESERVED_HEADERS
+        or name in DELIVERY_HEADERS
+        or name.startswith(DELIVERY_HEADER_PREFIXES)
+    )
 
 
 # One encoder for every body (it keeps no state between calls): compact, UTF-8 as is.

@@ -28,7 +28,7 @@ from django.utils import timezone
 from ._compat.django import innermost_atomic
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
-from .message import RESERVED_HEADERS
+from .message import is_reserved_header
 from .models import OutboxEvent, outbox_db
 
 __all__ = ["Outbox", "atomic", "emit"]
@@ -151,11 +151,14 @@ def build_event(
     elif isinstance(headers, Mapping):
         if not all(isinstance(k, str) for k in headers):
             raise InvalidEvent("headers must be a mapping with string keys.")
-        clash = sorted(RESERVED_HEADERS.intersection(headers))
+        clash = sorted(name for name in headers if is_reserved_header(name))
         if clash:
             raise InvalidEvent(
-                f"headers may not use the names {clash}: the relay sets them from the event "
-                "itself. Rename your headers (e.g. prefix them with your service name)."
+                f"headers may not use the names {clash}: the relay sets aggregate_type, "
+                "aggregate_id, occurred_at, attempt, sequence and previous_sequence from "
+                "the event, and the broker and the consumer count deliveries in "
+                "x-delivery-count, x-death and x-outbox-* headers. Rename your headers "
+                "(e.g. prefix them with your service name)."
             )
         header_values = json.loads(_dumps(dict(headers), "headers"))
         _check_amqp_table(header_values, "headers")

@@ -17,6 +17,7 @@ from django_outbox.exceptions import (
     NotInTransaction,
     PayloadTooLarge,
 )
+from django_outbox.message import is_reserved_header
 from django_outbox.models import OutboxEvent, Status
 from orders.models import Order
 from orders.services import create_order
@@ -176,6 +177,19 @@ BAD_INPUT = [
     ({"event_type": "X", "payload": {}, "aggregate": "ORDER"}, InvalidEvent, "model instance"),
     ({"event_type": "X", "payload": {}, "occurred_at": "yesterday"}, InvalidEvent, "datetime"),
     ({"event_type": "X", "payload": "x" * 300_000}, PayloadTooLarge, "OUTBOX_MAX_PAYLOAD_BYTES"),
+    # What the broker and the consumer count deliveries in.
+    (
+        {"event_type": "X", "payload": {}, "headers": {"x-delivery-count": 0}},
+        InvalidEvent,
+        "may not",
+    ),
+    (
+        {"event_type": "X", "payload": {}, "headers": {"x-outbox-delivery": 1}},
+        InvalidEvent,
+        "may not",
+    ),
+    ({"event_type": "X", "payload": {}, "headers": {"x-outbox-mine": 1}}, InvalidEvent, "may not"),
+    ({"event_type": "X", "payload": {}, "headers": {"x-death": []}}, InvalidEvent, "may not"),
 ]
 
 
@@ -244,3 +258,10 @@ def test_notify_is_sent_on_postgresql(db_vendor):
     with CaptureQueriesContext(connection) as queries, outbox.atomic() as box:
         box.emit("X", payload={})
     assert any("pg_notify" in q["sql"] for q in queries.captured_queries)
+
+
+def test_the_consumers_delivery_count_header_is_reserved():
+    from django_outbox.consumer import DELIVERY_HEADER
+
+    assert is_reserved_header(DELIVERY_HEADER)
+    assert not is_reserved_header("x-request-id")
