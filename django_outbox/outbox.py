@@ -14,6 +14,7 @@ happens to this process afterwards.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, models, transaction
 from django.utils import timezone
@@ -31,7 +33,20 @@ from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, Payloa
 from .message import is_reserved_header
 from .models import OutboxEvent, outbox_db
 
-__all__ = ["Outbox", "atomic", "emit"]
+__all__ = ["MAX_JSON_DEPTH", "Outbox", "atomic", "emit"]
+
+#: The deepest JSON ``emit()`` accepts in the payload and in the headers, counting objects
+#: and arrays (``{"a": [1]}`` is 2 deep). MariaDB refuses a JSON document nested 32 deep
+#: (its JSON columns are ``CHECK (JSON_VALID(...))``), so 31 is what every supported
+#: database stores: an event valid on one database is valid on all.
+MAX_JSON_DEPTH = 31
+#: AMQP short strings (the message type, routing key, message_id and header names) hold
+#: at most 255 bytes of UTF-8.
+SHORT_STRING_BYTES = 255
+_CONTAINERS = (dict, list, tuple)  # what json.dumps writes as an object or an array
+# "\u0000" in JSON text is an escaped NUL unless its backslash is itself escaped: it must
+# follow an even run of backslashes (none, or pairs that each stand for one backslash).
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 _local = threading.local()
 
@@ -41,9 +56,61 @@ def _stack(using: str) -> list[Outbox]:
     return stacks.setdefault(using, [])
 
 
-def _dumps(value: Any, what: str) -> str:
+def _surrogate(what: str, exc: UnicodeEncodeError) -> InvalidEvent:
+    near = exc.object[max(0, exc.start - 30) : exc.end + 30]
+    return InvalidEvent(
+        f"{what} contains a lone surrogate ({exc.object[exc.start : exc.end]!r}), which is "
+        f"not Unicode and cannot be encoded as UTF-8, near {near!r}. It usually comes from "
+        "bytes decoded with errors='surrogateescape' (file names, environment variables): "
+        "decode them with the right encoding, or with errors='replace'."
+    )
+
+
+def _nul(what: str) -> InvalidEvent:
+    return InvalidEvent(
+        f"{what} contains a NUL character (\\x00), which PostgreSQL cannot store in text "
+        "or JSON and an AMQP short string may not carry; the outbox refuses it on every "
+        "database. Remove it, or send binary data base64-encoded."
+    )
+
+
+def _too_deep(what: str) -> InvalidEvent:
+    return InvalidEvent(
+        f"The event {what} nests objects and arrays more than {MAX_JSON_DEPTH} levels "
+        "deep, the most the outbox stores on every database (MariaDB's JSON columns "
+        "refuse deeper documents). Flatten it, or send the deep part as a JSON string."
+    )
+
+
+def _deeper_than_limit(value: Any) -> bool:
+    """Whether objects and arrays nest in ``value`` more than MAX_JSON_DEPTH deep."""
+    # Level by level without recursion, so a structure deeper than Python's recursion
+    # limit is measured too; it stops one level past the limit, however deep it goes.
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    for _ in range(MAX_JSON_DEPTH):
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, _CONTAINERS)
+        ]
+        if not level:
+            return False
+    return True
+
+
+def _serialise(value: Any, what: str) -> tuple[str, int]:
+    """``value`` as the JSON text it is stored and sent as, and its size in UTF-8 bytes.
+
+    Raises InvalidEvent for what a database or the broker would refuse later: not JSON,
+    lone surrogates, NUL, nesting deeper than MAX_JSON_DEPTH. Every check but the
+    serialisation itself is a scan of the text in C, unless the text has more brackets
+    than the depth limit (then the structure is walked, up to the limit).
+    """
     try:
-        return json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, cls=DjangoJSONEncoder, ensure_ascii=False, allow_nan=False)
+    except RecursionError as exc:
+        raise _too_deep(what) from exc
     except (TypeError, ValueError) as exc:
         raise InvalidEvent(
             f"The event {what} is not JSON-serialisable: {exc}. Pass plain JSON types "
@@ -51,9 +118,24 @@ def _dumps(value: Any, what: str) -> str:
             "timedelta and UUID are converted by DjangoJSONEncoder. Convert other objects "
             "(e.g. a model instance) to one of these before emitting."
         ) from exc
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise _surrogate(f"The event {what}", exc) from exc
+    # json.dumps escapes NUL as \u0000, which PostgreSQL's jsonb refuses.
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
+        raise _nul(f"The event {what}")
+    # The number of brackets bounds the depth (brackets inside strings only add to it).
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _deeper_than_limit(value):
+        raise _too_deep(what)
+    return text, size
 
 
-def _short_str(value: Any, field: str, max_length: int, *, required: bool) -> str:
+def _short_str(
+    value: Any, field: str, max_length: int, *, required: bool, short_string: bool = False
+) -> str:
+    """``value`` as the text of a varchar column; ``short_string`` if the message also
+    carries it as an AMQP short string (at most SHORT_STRING_BYTES bytes of UTF-8)."""
     text = "" if value is None else str(value)
     if required and not text.strip():
         raise InvalidEvent(f"{field} must be a non-empty string, got {value!r}.")
@@ -62,6 +144,22 @@ def _short_str(value: Any, field: str, max_length: int, *, required: bool) -> st
             f"{field} is {len(text)} characters long; the outbox column holds at most "
             f"{max_length}: {text[:80]!r}..."
         )
+    if "\x00" in text:
+        raise _nul(field)
+    # ASCII text (isascii() is a flag lookup) has neither surrogates nor multi-byte
+    # characters; the columns' limits keep it within a short string.
+    if not text.isascii():
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError as exc:
+            raise _surrogate(field, exc) from exc
+        if short_string and size > SHORT_STRING_BYTES:
+            raise InvalidEvent(
+                f"{field} is {size} bytes in UTF-8; the message carries it as an AMQP short "
+                f"string, which holds at most {SHORT_STRING_BYTES} bytes. Use a shorter "
+                "value (a character outside ASCII takes 2 to 4 bytes): "
+                f"{text[:40]!r}..."
+            )
     return text
 
 
@@ -134,11 +232,11 @@ def build_event(
     """Validate and serialise one event into an unsaved row; raise InvalidEvent if bad."""
     if not isinstance(event_type, str):
         raise InvalidEvent(f"event_type must be a string, got {type(event_type).__name__}.")
-    event_type = _short_str(event_type, "event_type", 128, required=True)
+    # The message type and the default routing key.
+    event_type = _short_str(event_type, "event_type", 128, required=True, short_string=True)
     agg_type, agg_id = _aggregate(aggregate, aggregate_type, aggregate_id)
 
-    body = _dumps(payload, "payload")
-    size = len(body.encode())
+    body, size = _serialise(payload, "payload")
     limit = outbox_settings.MAX_PAYLOAD_BYTES
     if size > limit:
         raise PayloadTooLarge(
@@ -160,19 +258,36 @@ def build_event(
                 "x-delivery-count, x-death and x-outbox-* headers. Rename your headers "
                 "(e.g. prefix them with your service name)."
             )
-        header_values = json.loads(_dumps(dict(headers), "headers"))
+        header_values = json.loads(_serialise(dict(headers), "headers")[0])
         _check_amqp_table(header_values, "headers")
     else:
         raise InvalidEvent(f"headers must be a mapping, got {type(headers).__name__}.")
 
     if event_id is None:
         event_id = str(uuid.uuid4())
-    event_id = _short_str(event_id, "event_id", 64, required=True)
+    # The message_id.
+    event_id = _short_str(event_id, "event_id", 64, required=True, short_string=True)
 
     if occurred_at is None:
         occurred_at = timezone.now()
     elif not isinstance(occurred_at, datetime):
         raise InvalidEvent(f"occurred_at must be a datetime, got {type(occurred_at).__name__}.")
+    elif settings.USE_TZ and timezone.is_naive(occurred_at):
+        # Django would store it as local time in TIME_ZONE with only a RuntimeWarning:
+        # other services would receive a business time that is a guess.
+        raise InvalidEvent(
+            f"occurred_at {occurred_at.isoformat()} is naive (no tzinfo) while USE_TZ = "
+            "True. Pass an aware datetime: timezone.now(), or timezone.make_aware(value) "
+            "if it is a local time in TIME_ZONE."
+        )
+    elif not settings.USE_TZ and timezone.is_aware(occurred_at):
+        # SQLite and MySQL/MariaDB refuse it at INSERT, PostgreSQL converts it: the same
+        # rule on every database, raised here.
+        raise InvalidEvent(
+            f"occurred_at {occurred_at.isoformat()} is aware while USE_TZ = False, and the "
+            "database stores naive local times. Pass timezone.make_naive(value) (local "
+            "time in TIME_ZONE)."
+        )
 
     return OutboxEvent.objects.new_pending(
         event_id=event_id,

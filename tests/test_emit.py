@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 from decimal import Decimal
 
@@ -22,6 +23,18 @@ from django_outbox.models import OutboxEvent, Status
 from orders.models import Order
 from orders.services import create_order
 from tests.testapp.models import Widget
+
+#: The deepest JSON emit() accepts (objects and arrays, the outermost counted).
+MAX_DEPTH = 31
+
+
+def nested(levels: int, leaf: object = "leaf") -> object:
+    """``levels`` arrays and objects inside each other, alternating, around ``leaf``."""
+    value = leaf
+    for level in range(levels):
+        value = [value] if level % 2 else {"k": value}
+    return value
+
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -177,6 +190,34 @@ BAD_INPUT = [
     ({"event_type": "X", "payload": {}, "aggregate": "ORDER"}, InvalidEvent, "model instance"),
     ({"event_type": "X", "payload": {}, "occurred_at": "yesterday"}, InvalidEvent, "datetime"),
     ({"event_type": "X", "payload": "x" * 300_000}, PayloadTooLarge, "OUTBOX_MAX_PAYLOAD_BYTES"),
+    # AMQP short strings count bytes: the type and routing key, and the message_id.
+    ({"event_type": "é" * 128, "payload": {}}, InvalidEvent, "256 bytes.*at most 255"),
+    ({"event_type": "X", "payload": {}, "event_id": "😀" * 64}, InvalidEvent, "256 bytes"),
+    ({"event_type": "X", "payload": {}, "headers": {"é" * 128: 1}}, InvalidEvent, "255 bytes"),
+    # Lone surrogates are not Unicode: nothing can encode them as UTF-8.
+    ({"event_type": "X", "payload": {"s": "\ud800"}}, InvalidEvent, "surrogate"),
+    ({"event_type": "X", "payload": {"\udfff": 1}}, InvalidEvent, "surrogate"),
+    ({"event_type": "X", "payload": {}, "headers": {"h": ["\ud800"]}}, InvalidEvent, "surrogate"),
+    ({"event_type": "X\ud800", "payload": {}}, InvalidEvent, "event_type.*surrogate"),
+    ({"event_type": "X", "payload": {}, "aggregate_id": "\udc00"}, InvalidEvent, "surrogate"),
+    ({"event_type": "X", "payload": {}, "event_id": "e-\ud800"}, InvalidEvent, "surrogate"),
+    # NUL: PostgreSQL's text and jsonb refuse it, so every database does.
+    ({"event_type": "X", "payload": {"s": "a\x00b"}}, InvalidEvent, "NUL"),
+    ({"event_type": "X", "payload": [{"a\x00": 1}]}, InvalidEvent, "NUL"),
+    ({"event_type": "X", "payload": {"s": "\\\x00"}}, InvalidEvent, "NUL"),
+    ({"event_type": "X", "payload": {}, "headers": {"h": "\x00"}}, InvalidEvent, "headers.*NUL"),
+    ({"event_type": "X\x00", "payload": {}}, InvalidEvent, "event_type.*NUL"),
+    ({"event_type": "X", "payload": {}, "aggregate_type": "\x00"}, InvalidEvent, "NUL"),
+    ({"event_type": "X", "payload": {}, "event_id": "e\x00"}, InvalidEvent, "event_id.*NUL"),
+    # Deeper than a MariaDB JSON column holds, and deeper than json.dumps can recurse.
+    ({"event_type": "X", "payload": nested(MAX_DEPTH + 1)}, InvalidEvent, "levels"),
+    ({"event_type": "X", "payload": nested(5_000)}, InvalidEvent, "levels"),
+    ({"event_type": "X", "payload": nested(100_000)}, InvalidEvent, "levels"),
+    (
+        {"event_type": "X", "payload": {}, "headers": {"h": nested(MAX_DEPTH)}},
+        InvalidEvent,
+        "levels",
+    ),
     # What the broker and the consumer count deliveries in.
     (
         {"event_type": "X", "payload": {}, "headers": {"x-delivery-count": 0}},
@@ -260,8 +301,98 @@ def test_notify_is_sent_on_postgresql(db_vendor):
     assert any("pg_notify" in q["sql"] for q in queries.captured_queries)
 
 
+# -- what emit() accepts at its limits, the relay sends ------------------------------------
+
+#: 128 characters (the column) and 255 bytes in UTF-8 (an AMQP short string).
+EDGE_TYPE = "é" * 127 + "A"
+#: 64 characters (the column), 253 bytes.
+EDGE_ID = "😀" * 63 + "a"
+
+
+@pytest.mark.amqp
+def test_what_emit_accepts_at_every_limit_the_relay_sends(amqp_url):
+    """Each limit at its edge: the row commits, reads back unchanged on this database and
+    goes out through RabbitMQ with pika. One byte more is what pika itself refuses."""
+    import pika
+
+    from django_outbox.relay import Relay
+    from tests.test_backend_pika import Broker, backend_for
+
+    payload = {"deep": nested(MAX_DEPTH - 1), "escaped": "\\u0000 is text", "text": "ü😀"}
+    headers = {"é" * 127 + "A": "name of 255 bytes", "deep": nested(MAX_DEPTH - 1)}
+    with outbox.atomic() as box:
+        box.emit(
+            EDGE_TYPE,
+            payload=payload,
+            event_id=EDGE_ID,
+            headers=headers,
+            aggregate_type="é" * 64,
+            aggregate_id="😀" * 64,
+        )
+    event = OutboxEvent.objects.get()
+    assert (event.event_type, event.event_id) == (EDGE_TYPE, EDGE_ID)
+    assert (event.payload, event.headers) == (payload, headers)
+
+    broker = Broker(amqp_url)
+    try:
+        queue = broker.queue("#")
+        relay = Relay(backend=backend_for(broker), batch_size=10)
+        try:
+            relay.run_batch()
+        finally:
+            relay.close()
+        [(method, props, body)] = broker.get_all(queue, 1)
+    finally:
+        broker.close()
+    assert OutboxEvent.objects.get().status == Status.SENT
+    assert (method.routing_key, props.type, props.message_id) == (EDGE_TYPE, EDGE_TYPE, EDGE_ID)
+    assert json.loads(body) == payload
+    assert {k: props.headers[k] for k in headers} == headers
+    assert (props.headers["aggregate_type"], props.headers["aggregate_id"]) == (
+        "é" * 64,
+        "😀" * 64,
+    )
+    with pytest.raises(pika.exceptions.ShortStringTooLong):
+        pika.spec.BasicProperties(type=EDGE_TYPE + "A").encode()
+
+
+# -- occurred_at follows USE_TZ --------------------------------------------------------------
+
+NAIVE = dt.datetime(2024, 1, 2, 3, 4, 5, 600000)
+AWARE = NAIVE.replace(tzinfo=dt.timezone.utc)
+
+
+@pytest.mark.parametrize(
+    ("use_tz", "when", "text"),
+    [(True, NAIVE, "naive.*USE_TZ = True"), (False, AWARE, "aware.*USE_TZ = False")],
+)
+def test_occurred_at_that_does_not_match_use_tz_is_refused(settings, use_tz, when, text):
+    settings.USE_TZ = use_tz
+    with pytest.raises(InvalidEvent, match=text), outbox.atomic() as box:
+        Widget.objects.create(code="rolled-back")
+        box.emit("X", payload={}, occurred_at=when)
+    assert not Widget.objects.exists()
+    assert not OutboxEvent.objects.exists()
+
+
+@pytest.mark.parametrize(("use_tz", "when"), [(True, AWARE), (False, NAIVE)])
+def test_occurred_at_that_matches_use_tz_is_kept(settings, use_tz, when):
+    settings.USE_TZ = use_tz
+    with outbox.atomic() as box:
+        box.emit("X", payload={}, occurred_at=when)
+    assert OutboxEvent.objects.get().occurred_at == when
+
+
 def test_the_consumers_delivery_count_header_is_reserved():
     from django_outbox.consumer import DELIVERY_HEADER
 
     assert is_reserved_header(DELIVERY_HEADER)
     assert not is_reserved_header("x-request-id")
+
+
+def test_text_that_only_looks_like_an_escaped_nul_is_kept():
+    payload = {"backslash-u": "\\u0000", "two backslashes then it": "\\\\u0000"}
+    with outbox.atomic() as box:
+        box.emit("X", payload=payload, headers={"h": "\\u0000"})
+    event = OutboxEvent.objects.get()
+    assert (event.payload, event.headers) == (payload, {"h": "\\u0000"})
