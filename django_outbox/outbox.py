@@ -328,9 +328,13 @@ def _insert(events: list[OutboxEvent], using: str) -> None:
     _check_unique(events)
     connection = connections[using]
     try:
-        # A savepoint is not used on purpose: a failed insert must poison the caller's
-        # transaction so the business write cannot commit without its events.
-        OutboxEvent.objects.using(using).bulk_create(events)
+        # A failed insert marks the caller's transaction for rollback, as a failed save()
+        # does, so the business write cannot commit without its events even if the caller
+        # catches the error. bulk_create() no longer does it on every Django version and
+        # database, hence the explicit mark. A caller who means to go on wraps the emit in
+        # a savepoint (docs/writing-events.md, "Emitting idempotently").
+        with transaction.mark_for_rollback_on_error(using):
+            OutboxEvent.objects.using(using).bulk_create(events)
     except IntegrityError as exc:
         if "event_id" in str(exc) or "django_outbox_event_id_uniq" in str(exc):
             ids = ", ".join(repr(e.event_id) for e in events)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import uuid
@@ -381,6 +382,53 @@ def test_occurred_at_that_matches_use_tz_is_kept(settings, use_tz, when):
     with outbox.atomic() as box:
         box.emit("X", payload={}, occurred_at=when)
     assert OutboxEvent.objects.get().occurred_at == when
+
+
+# -- idempotent emit: DuplicateEventId and the caller's transaction ------------------------
+
+
+def _emit_paid() -> None:
+    outbox.emit(
+        "ORDER_PAID",
+        aggregate_type="ORDER",
+        aggregate_id="A-1",
+        payload={},
+        event_id="order-A-1-paid",
+    )
+
+
+def test_catching_duplicate_event_id_without_a_savepoint_drops_the_business_write(db_vendor):
+    """The trap docs/writing-events.md warns about: the failed INSERT spoils the caller's
+    transaction, the block exits without an error, and the business write is gone."""
+    with transaction.atomic():
+        _emit_paid()
+    with transaction.atomic():
+        Widget.objects.create(code="paid-twice")
+        with contextlib.suppress(DuplicateEventId):
+            _emit_paid()
+    assert not Widget.objects.exists()
+    assert OutboxEvent.objects.count() == 1
+
+
+@pytest.mark.parametrize("savepoint", ["transaction.atomic", "outbox.atomic"])
+def test_a_savepoint_around_the_emit_keeps_the_business_write(savepoint):
+    """The pattern docs/writing-events.md shows: only the savepoint rolls back."""
+    with transaction.atomic():
+        _emit_paid()
+    with transaction.atomic():
+        Widget.objects.create(code="paid-twice")
+        try:
+            if savepoint == "transaction.atomic":
+                with transaction.atomic():
+                    _emit_paid()
+            else:
+                with outbox.atomic():
+                    _emit_paid()
+        except DuplicateEventId:
+            announced_already = True
+    assert announced_already
+    assert Widget.objects.filter(code="paid-twice").exists()
+    assert OutboxEvent.objects.count() == 1
 
 
 def test_the_consumers_delivery_count_header_is_reserved():
