@@ -311,13 +311,13 @@ EDGE_ID = "😀" * 63 + "a"
 
 
 @pytest.mark.amqp
-def test_what_emit_accepts_at_every_limit_the_relay_sends(amqp_url):
+def test_what_emit_accepts_at_every_limit_the_relay_sends(broker):
     """Each limit at its edge: the row commits, reads back unchanged on this database and
     goes out through RabbitMQ with pika. One byte more is what pika itself refuses."""
     import pika
 
     from django_outbox.relay import Relay
-    from tests.test_backend_pika import Broker, backend_for
+    from tests.test_backend_pika import backend_for
 
     payload = {"deep": nested(MAX_DEPTH - 1), "escaped": "\\u0000 is text", "text": "ü😀"}
     headers = {"é" * 127 + "A": "name of 255 bytes", "deep": nested(MAX_DEPTH - 1)}
@@ -334,17 +334,13 @@ def test_what_emit_accepts_at_every_limit_the_relay_sends(amqp_url):
     assert (event.event_type, event.event_id) == (EDGE_TYPE, EDGE_ID)
     assert (event.payload, event.headers) == (payload, headers)
 
-    broker = Broker(amqp_url)
+    queue = broker.bind_all("#")
+    relay = Relay(backend=backend_for(broker), batch_size=10)
     try:
-        queue = broker.queue("#")
-        relay = Relay(backend=backend_for(broker), batch_size=10)
-        try:
-            relay.run_batch()
-        finally:
-            relay.close()
-        [(method, props, body)] = broker.get_all(queue, 1)
+        relay.run_batch()
     finally:
-        broker.close()
+        relay.close()
+    [(method, props, body)] = broker.get_all(queue, 1)
     assert OutboxEvent.objects.get().status == Status.SENT
     assert (method.routing_key, props.type, props.message_id) == (EDGE_TYPE, EDGE_TYPE, EDGE_ID)
     assert json.loads(body) == payload
