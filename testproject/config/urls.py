@@ -1,7 +1,9 @@
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import path
+from prometheus_client.django import PrometheusDjangoView
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("", include("django_prometheus.urls")),
+    # prometheus_client's default registry, where django_outbox registers its collector.
+    path("metrics", PrometheusDjangoView.as_view(), name="metrics"),
 ]
