@@ -162,8 +162,11 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # events come from outbox.emit() inside a business transaction
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 says where the actions are shown (admin.ActionLocation) and deprecates
+        # overrides without the parameter; 5.2 and 6.0 call get_actions(request) only.
+        where = {} if action_location is None else {"action_location": action_location}
+        actions = super().get_actions(request, **where)
         # Bulk delete of undelivered events loses them; purge_outbox removes SENT rows.
         actions.pop("delete_selected", None)
         return actions

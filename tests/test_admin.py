@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib import admin
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.auth.models import Permission, User
 from django.test import Client
@@ -218,3 +219,18 @@ def test_format_age():
     assert format_age(3 * 86400 + 4 * 3600) == "3 d 4 h"
     assert format_age(3600) == "1 h"
     assert format_age(600) == "10 min"
+
+
+def test_get_actions_answers_both_djangos_calls(rf):
+    """5.2 and 6.0 call get_actions(request); 6.1 adds action_location (the old signature
+    is deprecated there, and the suite turns that warning into an error)."""
+    request = rf.get(reverse(CHANGELIST))
+    request.user = User.objects.create_superuser("root", "root@example.com", "pw")
+    model_admin = admin.site.get_model_admin(OutboxEvent)
+    calls = [{}]
+    if hasattr(admin, "ActionLocation"):  # Django 6.1+
+        calls.append({"action_location": admin.ActionLocation.CHANGE_LIST})
+    for kwargs in calls:
+        names = set(model_admin.get_actions(request, **kwargs))
+        assert {"requeue", "mark_dead"} <= names
+        assert "delete_selected" not in names

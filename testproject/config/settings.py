@@ -88,6 +88,10 @@ USE_I18N = True
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "static"
 
+# Django 6.1 configures e-mail with MAILERS and warns when a project sends mail without it
+# (the dead-letter EmailChannel does); 5.2 and 6.0 ignore it and use the same SMTP default.
+MAILERS = {"default": {"BACKEND": "django.core.mail.backends.smtp.EmailBackend"}}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
