@@ -5,6 +5,6 @@ Write events in the same transaction as your business rows with
 RabbitMQ and marks them SENT only after a publisher confirm.
 """
 
-__version__ = "0.1.0"
+__version__ = "1.0.0rc1"
 
 __all__ = ["__version__"]
