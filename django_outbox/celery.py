@@ -77,7 +77,16 @@ class IdempotentTask(Task):
         from .consumer import Outcome
 
         delivery = self.request.delivery_info or {}
-        received = decode_task_envelope(event, redelivered=bool(delivery.get("redelivered")))
+        try:
+            received = decode_task_envelope(event, redelivered=bool(delivery.get("redelivered")))
+        except UndecodableMessage as exc:
+            if self.request.called_directly:
+                raise
+            # Not an event this task can ever run: no retry. Rejected without requeue, the
+            # message goes to the queue's dead-letter exchange, as consume_outbox does with
+            # it; failing the task instead would ack it (task_acks_on_failure_or_timeout).
+            logger.error("task %s: rejected to the dead-letter exchange: %s", self.name, exc)
+            raise Reject(str(exc), requeue=False) from exc
         handler: Any = self.handler_class()(self, args, kwargs)  # type: ignore[call-arg]
         try:
             outcome = handler.process(received)

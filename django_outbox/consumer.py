@@ -425,6 +425,7 @@ class Dispatcher:
         message_type: str | None,
         headers: Mapping[str, Any] | None,
         redelivered: bool = False,
+        content_type: str | None = None,
     ) -> list[HandlerResult]:
         try:
             event = decode(
@@ -433,12 +434,16 @@ class Dispatcher:
                 message_type=message_type,
                 headers=headers,
                 redelivered=redelivered,
+                content_type=content_type,
             )
         except UndecodableMessage as exc:
-            logger.error("undecodable message %s: %s", message_id, exc)
+            logger.error("undecodable message %r: %s", message_id, exc)
             return [
                 HandlerResult(
-                    Outcome.UNDECODABLE, "", message_id or "", message_type or "", str(exc)
+                    Outcome.UNDECODABLE,
+                    event_id=_shown_id(message_id),
+                    event_type=_shown_id(message_type),
+                    error=error_text(exc),
                 )
             ]
         return self.process(event)
@@ -462,6 +467,11 @@ class Dispatcher:
             redelivered=redelivered,
         )
         return message_outcome(results), results
+
+
+def _shown_id(value: Any) -> str:
+    """A message's id or type as the publisher sent it, shown even when it is not text."""
+    return value if isinstance(value, str) else "" if value is None else repr(value)
 
 
 @dataclass
@@ -714,6 +724,7 @@ class Consumer:
             message_type=properties.type,
             headers=headers,
             redelivered=method.redelivered,
+            content_type=properties.content_type,
         )
         if outcome.acknowledge:
             channel.basic_ack(method.delivery_tag)

@@ -119,7 +119,18 @@ class ReceivedEvent:
 
 
 class UndecodableMessage(ValueError):
-    """A delivered message is not an outbox event (no message_id/type, or not JSON)."""
+    """A delivered message is not a well-formed outbox event: no message_id or type, a body
+    that is not JSON, a content type that is not JSON, or a reserved header of the wrong type
+    or out of range. Its text says which; the consumer dead-letters the message with it."""
+
+
+# The columns a consumer stores these in (OutboxEvent, InboxMessage, AggregateSequence):
+# a longer value could only fail later, inside the handler's transaction, on every retry.
+MAX_EVENT_ID_LENGTH = 64
+MAX_EVENT_TYPE_LENGTH = 128
+MAX_AGGREGATE_LENGTH = 64
+# sequence and previous_sequence are outbox row ids: a BigAutoField (signed 64-bit).
+MAX_SEQUENCE = 2**63 - 1
 
 
 def decode(
@@ -129,16 +140,29 @@ def decode(
     message_type: str | None,
     headers: Mapping[str, Any] | None,
     redelivered: bool = False,
+    content_type: str | None = None,
 ) -> ReceivedEvent:
-    """Rebuild the event from a message body and its AMQP properties."""
+    """Rebuild the event from a message body and its AMQP properties.
+
+    Raises :class:`UndecodableMessage` (and nothing else) for a message that is not a
+    well-formed outbox event, whatever its properties, headers and body hold.
+    """
     if not message_id:
         raise UndecodableMessage("the message has no message_id (the outbox event_id)")
     if not message_type:
-        raise UndecodableMessage(f"message {message_id} has no type (the event_type)")
+        raise UndecodableMessage(f"message {_shown(message_id)} has no type (the event_type)")
+    if content_type and not _is_json(content_type):
+        raise UndecodableMessage(
+            f"message {_shown(message_id)} has content type {_shown(content_type)}, not "
+            f"{CONTENT_TYPE}"
+        )
     try:
         payload = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise UndecodableMessage(f"message {message_id} body is not JSON: {exc}") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: a body nested deeper than the interpreter's recursion limit.
+        raise UndecodableMessage(
+            f"message {_shown(message_id)} body is not JSON: {type(exc).__name__}: {exc}"
+        ) from exc
     return _received(message_id, message_type, payload, headers, redelivered)
 
 
@@ -168,29 +192,109 @@ def _received(
     message_id: Any,
     message_type: Any,
     payload: Any,
-    headers: Mapping[str, Any] | None,
+    headers: Any,
     redelivered: bool,
 ) -> ReceivedEvent:
+    """The event, from values a publisher chose: every one is checked, and a wrong one raises
+    :class:`UndecodableMessage` naming it (never a ``ValueError`` or ``TypeError`` from deep
+    inside, which a consumer would take for a handler failure or die of)."""
+    event_id = _text(message_id, "message_id", MAX_EVENT_ID_LENGTH, message_id)
+    if headers is not None and not isinstance(headers, Mapping):
+        raise UndecodableMessage(
+            f"message {_shown(event_id)}: headers are a {type(headers).__name__}, not a table"
+        )
     headers = dict(headers or {})
     own = {k: v for k, v in headers.items() if k not in RESERVED_HEADERS}
-    occurred_raw = headers.get("occurred_at")
-    occurred = parse_datetime(occurred_raw) if isinstance(occurred_raw, str) else None
-    sequence = headers.get("sequence")
-    previous = headers.get("previous_sequence")
-
-    def _text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value or "")
-
+    attempt = _integer(headers, "attempt", 1, event_id)
     return ReceivedEvent(
-        event_id=_text(message_id),
-        event_type=_text(message_type),
+        event_id=event_id,
+        event_type=_text(message_type, "type", MAX_EVENT_TYPE_LENGTH, event_id),
         payload=payload,
-        aggregate_type=_text(headers.get("aggregate_type")),
-        aggregate_id=_text(headers.get("aggregate_id")),
-        occurred_at=occurred,
-        attempt=int(headers.get("attempt") or 1),
-        sequence=int(sequence) if sequence is not None else None,
-        previous_sequence=int(previous) if previous is not None else None,
+        aggregate_type=_text(
+            headers.get("aggregate_type"), "aggregate_type", MAX_AGGREGATE_LENGTH, event_id
+        ),
+        aggregate_id=_text(
+            headers.get("aggregate_id"), "aggregate_id", MAX_AGGREGATE_LENGTH, event_id
+        ),
+        occurred_at=_datetime(headers.get("occurred_at"), event_id),
+        attempt=1 if attempt is None else attempt,
+        sequence=_integer(headers, "sequence", 1, event_id),
+        previous_sequence=_integer(headers, "previous_sequence", 0, event_id),
         headers=own,
         redelivered=redelivered,
     )
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut: a reason names the bad value without carrying all of it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == CONTENT_TYPE or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _text(value: Any, name: str, max_length: int, event_id: Any) -> str:
+    """A text property or header: a string, UTF-8 bytes or an integer; None is ``""``."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode()
+        except UnicodeDecodeError:
+            raise UndecodableMessage(
+                f"message {_shown(event_id)}: {name} {_shown(value)} is not UTF-8"
+            ) from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise UndecodableMessage(
+            f"message {_shown(event_id)}: {name} is a {type(value).__name__}, not text"
+        )
+    if len(value) > max_length:
+        raise UndecodableMessage(
+            f"message {_shown(event_id)}: {name} is {len(value)} characters long, more than "
+            f"{max_length}"
+        )
+    return value
+
+
+def _integer(headers: Mapping[str, Any], name: str, minimum: int, event_id: str) -> int | None:
+    """An integer header from ``minimum`` to :data:`MAX_SEQUENCE` (a string of digits too,
+    as other publishers send); None when absent."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    number = value
+    if isinstance(value, (str, bytes)) and value.isascii() and value.strip().isdigit():
+        number = int(value)
+    if (
+        isinstance(number, int)
+        and not isinstance(number, bool)
+        and minimum <= number <= MAX_SEQUENCE
+    ):
+        return number
+    raise UndecodableMessage(
+        f"message {_shown(event_id)}: header {name} is {_shown(value)}, not an integer from "
+        f"{minimum} to {MAX_SEQUENCE}"
+    )
+
+
+def _datetime(value: Any, event_id: str) -> datetime | None:
+    """``occurred_at``: ISO 8601 text (what the relay sends) or an AMQP timestamp."""
+    if value is None or isinstance(value, datetime):
+        return value
+    parsed = None
+    if isinstance(value, str):
+        try:
+            parsed = parse_datetime(value)
+        except ValueError:  # well formed but not a date: 2024-13-45
+            parsed = None
+    if parsed is None:
+        raise UndecodableMessage(
+            f"message {_shown(event_id)}: header occurred_at is {_shown(value)}, not an ISO "
+            "8601 date and time"
+        )
+    return parsed

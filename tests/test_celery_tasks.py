@@ -206,10 +206,32 @@ def test_the_function_can_be_called_with_a_received_event():
     assert PointsLedger.objects.get().points == 4
 
 
-def test_a_task_argument_that_is_not_an_envelope_fails_without_retry():
-    result = award_points.apply(args=["not an event"])
-    assert result.failed()
-    assert "not an outbox event envelope" in str(result.result)
+@pytest.mark.parametrize(
+    ("argument", "reason"),
+    [
+        ("not an event", "not an outbox event envelope"),
+        # The same header checks as consume_outbox (message.py): these raised ValueError.
+        (dict(envelope(), headers={"attempt": "abc"}), "header attempt"),
+        (dict(envelope(), headers={"sequence": [1, 2]}), "header sequence"),
+        (dict(envelope(), headers={"occurred_at": "2024-13-45T00:00:00"}), "occurred_at"),
+        (dict(envelope(), headers=["not", "a", "table"]), "not a table"),
+    ],
+)
+def test_a_malformed_task_message_is_rejected_to_the_dead_letter_exchange(argument, reason):
+    result = award_points.apply(args=[argument])
+    # REJECTED with requeue=False: the worker basic.rejects it (the queue's dead-letter
+    # exchange gets it); FAILURE would have acked and dropped it.
+    assert result.state == "REJECTED"
+    assert reason in str(result.result)
+    assert result.result.requeue is False
+    assert PointsLedger.objects.count() == 0
+
+
+def test_a_malformed_envelope_called_directly_raises():
+    from django_outbox.message import UndecodableMessage
+
+    with pytest.raises(UndecodableMessage, match="header attempt"):
+        award_points(dict(envelope(), headers={"attempt": "abc"}))
 
 
 def test_idempotent_task_defaults():

@@ -6,6 +6,7 @@ from io import StringIO
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.utils import timezone
 
 from django_outbox.backends import locmem
 from django_outbox.consumer import (
@@ -185,3 +186,75 @@ def test_a_consumer_without_handlers_is_a_configuration_error(settings, monkeypa
     with pytest.raises(CommandError, match="No handlers to run") as info:
         call_command("consume_outbox", stderr=StringIO())
     assert info.value.returncode == 2
+# Each is a message some publisher could send; each must be UNDECODABLE, with a reason that
+# names what is wrong, and never raise out of the dispatcher (issue 19: these crashed it).
+MALFORMED = {
+    "attempt not a number": ({"attempt": "abc"}, b"{}", "attempt"),
+    "attempt zero": ({"attempt": 0}, b"{}", "attempt"),
+    "sequence not a number": ({"sequence": "x"}, b"{}", "sequence"),
+    "sequence a list": ({"sequence": [1, 2]}, b"{}", "sequence"),
+    "sequence a bool": ({"sequence": True}, b"{}", "sequence"),
+    "sequence past 64 bits": ({"sequence": 2**63}, b"{}", "sequence"),
+    "previous_sequence not a number": ({"previous_sequence": "zz"}, b"{}", "previous_sequence"),
+    "previous_sequence negative": ({"previous_sequence": -1}, b"{}", "previous_sequence"),
+    "occurred_at not a date": ({"occurred_at": "2024-13-45T00:00:00"}, b"{}", "occurred_at"),
+    "occurred_at garbage": ({"occurred_at": "yesterday"}, b"{}", "occurred_at"),
+    "occurred_at a number": ({"occurred_at": 12}, b"{}", "occurred_at"),
+    "aggregate_id a table": ({"aggregate_id": {"a": 1}}, b"{}", "aggregate_id"),
+    "aggregate_id not UTF-8": ({"aggregate_id": b"\xff\xfe"}, b"{}", "aggregate_id"),
+    "aggregate_type too long": ({"aggregate_type": "A" * 65}, b"{}", "aggregate_type"),
+    "body nested 100,000 deep": ({}, b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+    "body not UTF-8": ({}, b'{"a": "\xff"}', "not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_message_is_undecodable_with_its_reason(case):
+    headers, body, named = MALFORMED[case]
+    good = encode_headers(unsaved_event())
+    dispatcher = Dispatcher(handlers=[AwardPointsHandler])
+    [result] = dispatcher.process_message(
+        body, message_id="m1", message_type="ORDER_CREATED", headers={**good, **headers}
+    )
+    assert result.outcome is Outcome.UNDECODABLE
+    assert named in result.error
+    assert PointsLedger.objects.count() == 0
+
+
+def test_properties_that_are_not_an_outbox_event_are_undecodable():
+    body, headers = encode_body(unsaved_event()), encode_headers(unsaved_event())
+    dispatcher = Dispatcher(handlers=[AwardPointsHandler])
+    for props, named in [
+        ({"message_id": b"\xff\x00", "message_type": "ORDER_CREATED"}, "message_id"),
+        ({"message_id": "m" * 65, "message_type": "ORDER_CREATED"}, "message_id"),
+        ({"message_id": "m1", "message_type": "T" * 129}, "type"),
+        ({"message_id": "m1", "message_type": "ORDER_CREATED", "content_type": "text/xml"}, "xml"),
+    ]:
+        [result] = dispatcher.process_message(body, headers=headers, **props)
+        assert result.outcome is Outcome.UNDECODABLE, props
+        assert named in result.error
+
+
+def test_well_formed_variants_still_decode():
+    """What other publishers send and the outbox accepts: digit strings, an AMQP timestamp,
+    a JSON content type with parameters, no optional headers at all."""
+    event = decode(
+        b'{"a": 1}',
+        message_id="m1",
+        message_type="ORDER_CREATED",
+        headers={"attempt": "2", "sequence": b"7", "occurred_at": timezone.now()},
+        content_type="application/json; charset=utf-8",
+    )
+    assert (event.attempt, event.sequence, event.previous_sequence) == (2, 7, None)
+    bare = decode(b"null", message_id="m2", message_type="T", headers=None)
+    assert (bare.attempt, bare.occurred_at, bare.aggregate_id, bare.payload) == (1, None, "", None)
+
+
+def test_length_limits_are_the_columns():
+    from django_outbox import message
+    from django_outbox.models import AggregateSequence, InboxMessage
+
+    assert InboxMessage._meta.get_field("source_event_id").max_length == message.MAX_EVENT_ID_LENGTH
+    assert InboxMessage._meta.get_field("event_type").max_length == message.MAX_EVENT_TYPE_LENGTH
+    for name in ("aggregate_type", "aggregate_id"):
+        assert AggregateSequence._meta.get_field(name).max_length == message.MAX_AGGREGATE_LENGTH
