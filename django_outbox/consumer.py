@@ -51,6 +51,8 @@ logger = logging.getLogger("django_outbox.consumer")
 # Header a classic queue's consumer keeps its own delivery count in (quorum queues count
 # redeliveries themselves in x-delivery-count).
 DELIVERY_HEADER = "x-outbox-delivery"
+# Header of a message the consumer dead-lettered: why (the outcome and the error).
+REASON_HEADER = "x-outbox-reason"
 
 
 class ImproperlyConfiguredHandler(OutboxError):
@@ -729,17 +731,68 @@ class Consumer:
         if outcome.acknowledge:
             channel.basic_ack(method.delivery_tag)
         elif outcome in (Outcome.UNDECODABLE, Outcome.OUT_OF_ORDER):
-            logger.error(
-                "message %s: %s; dead-lettered to %s",
-                properties.message_id,
-                outcome.value,
-                self.dead_letter_queue,
-            )
-            channel.basic_reject(method.delivery_tag, requeue=False)
-            self._dead_lettered_last = True
+            error = next((r.error for r in results if r.outcome is outcome), "")
+            self._dead_letter(channel, method, properties, body, f"{outcome.value}: {error}")
         else:
             self._retry(channel, method, properties, body, headers, results)
         return outcome
+
+    def _dead_letter(
+        self, channel: Any, method: Any, properties: Any, body: bytes, reason: str
+    ) -> None:
+        """Move the message to the dead-letter queue with ``reason`` in :data:`REASON_HEADER`.
+
+        A copy goes to the dead-letter queue (published with confirms), then the original is
+        acked: a crash in between leaves a duplicate there, never a loss. Only if the copy
+        cannot be placed (the dead-letter queue was deleted) is the original rejected to the
+        queue's dead-letter exchange, without the reason.
+        """
+        import pika.exceptions
+
+        reason = error_text(reason)
+        logger.error(
+            "message %r dead-lettered to %s: %s",
+            properties.message_id,
+            self.dead_letter_queue,
+            reason,
+        )
+        self._dead_lettered_last = True
+        headers = {**(properties.headers or {}), REASON_HEADER: reason}
+        try:
+            channel.basic_publish(
+                "",
+                self.dead_letter_queue,
+                body,
+                _copy_properties(properties, headers),
+                mandatory=True,
+            )
+        except (pika.exceptions.UnroutableError, pika.exceptions.NackError) as exc:
+            logger.error(
+                "message %r: the copy for %s was refused (%s); rejected to the dead-letter "
+                "exchange without its reason",
+                properties.message_id,
+                self.dead_letter_queue,
+                type(exc).__name__,
+            )
+            channel.basic_reject(method.delivery_tag, requeue=False)
+            return
+        channel.basic_ack(method.delivery_tag)
+
+    def _delivery_number(self, headers: Mapping[str, Any]) -> int:
+        """Which delivery of the message this is (1 for the first), from the count the
+        broker (quorum) or this consumer (classic) keeps in a header.
+
+        Raises ``ValueError`` for a count that is not one: a publisher set the header.
+        """
+        if self.queue_type == "quorum":
+            name, value, first = "x-delivery-count", headers.get("x-delivery-count"), 0
+        else:
+            name, value, first = DELIVERY_HEADER, headers.get(DELIVERY_HEADER), 1
+        if value is None:
+            return 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < first:
+            raise ValueError(f"header {name} is {value!r:.80}, not a delivery count")
+        return value + 1 - first
 
     def _retry(
         self,
@@ -750,23 +803,18 @@ class Consumer:
         headers: dict[str, Any],
         results: Sequence[HandlerResult],
     ) -> None:
-        if self.queue_type == "quorum":
-            delivery = int(headers.get("x-delivery-count") or 0) + 1
-        else:
-            delivery = int(headers.get(DELIVERY_HEADER) or 1)
         error = next((r.error for r in results if r.error), "")
+        try:
+            delivery = self._delivery_number(headers)
+        except ValueError as exc:
+            # The count cannot be kept: retrying could loop for good.
+            self._dead_letter(channel, method, properties, body, f"failed: {error}; {exc}")
+            return
         if delivery > self.max_retries:
-            logger.error(
-                "message %s failed %s time(s); dead-lettered to %s: %s",
-                properties.message_id,
-                delivery,
-                self.dead_letter_queue,
-                error,
+            # Not left to a quorum queue's own limit: that would lose the reason.
+            self._dead_letter(
+                channel, method, properties, body, f"failed {delivery} time(s): {error}"
             )
-            self._dead_lettered_last = True
-            # Through the queue's dead-letter exchange (a quorum queue would do the same on
-            # the next return; no need to wait for it).
-            channel.basic_reject(method.delivery_tag, requeue=False)
             return
         logger.warning(
             "message %s failed (delivery %s of %s); retrying: %s",
@@ -783,16 +831,18 @@ class Consumer:
             return
         # Classic queues do not count redeliveries: publish a copy with the count, then ack
         # the original (confirmed first, so the message is never lost in between).
-        import pika
-
         copy_headers = {**headers, DELIVERY_HEADER: delivery + 1}
-        props = pika.BasicProperties(
-            content_type=properties.content_type,
-            delivery_mode=2,
-            message_id=properties.message_id,
-            type=properties.type,
-            timestamp=properties.timestamp,
-            headers=copy_headers,
-        )
+        props = _copy_properties(properties, copy_headers)
         channel.basic_publish("", self.queue, body, props, mandatory=True)
         channel.basic_ack(method.delivery_tag)
+
+
+def _copy_properties(properties: Any, headers: dict[str, Any]) -> Any:
+    """The message's properties (all of them: correlation_id, reply_to, ... too) with other
+    headers, persistent: for a copy the consumer publishes (a retry, a dead letter)."""
+    import copy
+
+    props = copy.copy(properties)
+    props.headers = headers
+    props.delivery_mode = 2
+    return props

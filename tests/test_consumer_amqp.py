@@ -14,8 +14,9 @@ import pytest
 from django.core.management import call_command
 
 from django_outbox.consumer import Consumer, Outcome
+from django_outbox.message import encode_body
 from points.models import PointsLedger
-from tests.utils.amqp import AWARD, make_consumer
+from tests.utils.amqp import AWARD, make_consumer, properties
 from tests.utils.rows import unsaved_event
 from tests.utils.subprocess import django_env, manage_command
 from tests.utils.threads import db_thread
@@ -55,6 +56,9 @@ def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_
     assert wait_for(lambda: broker.count(broker.dlq) == 1)
     _method, props, _body = broker.get(broker.dlq)
     assert props.message_id == event.event_id
+    assert props.headers["x-outbox-reason"] == (
+        "failed 3 time(s): RuntimeError: boom after the write"
+    )
     assert broker.count(broker.queue) == 0
 
 
@@ -82,6 +86,71 @@ def test_undecodable_goes_to_the_dead_letter_queue_at_once(broker):
     result = consumer.run(until_idle=True)
     assert result.counts[Outcome.UNDECODABLE] == 2
     assert wait_for(lambda: broker.count(broker.dlq) == 2)
+
+
+# The messages of issue 19 that stopped consume_outbox (on a classic queue for good: the
+# message stayed at the head and every restart crashed on it), and what the reason names.
+ISSUE_19_MALFORMED = [
+    ({"attempt": "abc"}, b"", "header attempt"),
+    ({"sequence": "x"}, b"", "header sequence"),
+    ({"sequence": [1, 2]}, b"", "header sequence"),
+    ({"previous_sequence": "zz"}, b"", "header previous_sequence"),
+    ({"occurred_at": "2024-13-45T00:00:00"}, b"", "header occurred_at"),
+    ({}, b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
+]
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_malformed_messages_go_to_the_dlq_with_a_reason_and_the_rest_flow(broker, queue_type):
+    from django_outbox.consumer import REASON_HEADER
+
+    consumer = make_consumer(broker, queue_type=queue_type, max_retries=5)
+    good = []
+    for i, (headers, body, _named) in enumerate(ISSUE_19_MALFORMED):
+        event = unsaved_event(pk=100 + i)
+        props = properties(event)
+        props.headers.update(headers)
+        broker.publish_raw(body or encode_body(event), props, "ORDER_CREATED")
+        good.append(unsaved_event(pk=i + 1))
+        broker.publish(good[-1])
+    result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.UNDECODABLE] == len(ISSUE_19_MALFORMED)
+    assert result.counts[Outcome.PROCESSED] == len(good)
+    assert set(PointsLedger.objects.values_list("source_event_id", flat=True)) == {
+        e.event_id for e in good
+    }
+    assert broker.count(broker.queue) == 0
+    dead = broker.drain(broker.dlq)
+    reasons = [props.headers[REASON_HEADER] for props, _body in dead]
+    assert len(reasons) == len(ISSUE_19_MALFORMED)
+    for (_headers, _body, named), reason in zip(ISSUE_19_MALFORMED, reasons, strict=True):
+        assert reason.startswith("undecodable: ") and named in reason
+
+
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+def test_a_delivery_count_that_is_not_one_dead_letters_a_failing_message(broker, queue_type):
+    """A publisher's own x-delivery-count / x-outbox-delivery cannot be counted on: a
+    failing message carrying one goes to the dead-letter queue at once, with the reason."""
+    from django_outbox.consumer import DELIVERY_HEADER, REASON_HEADER
+
+    consumer = make_consumer(
+        broker,
+        handlers=["tests.consumer_handlers.FailingHandler"],
+        queue_type=queue_type,
+        max_retries=5,
+    )
+    event = unsaved_event()
+    props = properties(event)
+    name = "x-delivery-count" if queue_type == "quorum" else DELIVERY_HEADER
+    props.headers[name] = "abc"
+    broker.publish_raw(encode_body(event), props, "ORDER_CREATED")
+    result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.FAILED] == 1
+    assert result.dead_lettered == 1
+    [(dead, _body)] = broker.drain(broker.dlq)
+    assert dead.message_id == event.event_id
+    assert "boom after the write" in dead.headers[REASON_HEADER]
+    assert f"header {name} is 'abc'" in dead.headers[REASON_HEADER]
 
 
 def test_unknown_event_type_is_acked(broker):

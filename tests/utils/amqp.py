@@ -110,6 +110,13 @@ class Broker:
         method, props, body = self.channel.basic_get(queue, auto_ack=True)
         return None if method is None else (method, props, body)
 
+    def drain(self, queue: str) -> list[tuple[Any, bytes]]:
+        """Every message in ``queue`` (properties, body), taken off it."""
+        taken = []
+        while (got := self.get(queue)) is not None:
+            taken.append(got[1:])
+        return taken
+
     def get_all(self, queue: str, expected: int, timeout: float = 5.0) -> list[tuple]:
         """Up to ``expected`` messages of ``queue``, waiting at most ``timeout`` for them."""
         messages: list[tuple] = []
