@@ -445,7 +445,7 @@ class Dispatcher:
                     Outcome.UNDECODABLE,
                     event_id=_shown_id(message_id),
                     event_type=_shown_id(message_type),
-                    error=error_text(exc),
+                    error=error_text(str(exc)),
                 )
             ]
         return self.process(event)
