@@ -28,12 +28,23 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.apps import apps
-from django.db import IntegrityError, models, router, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    models,
+    router,
+    transaction,
+)
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext_lazy as _
 
@@ -53,6 +64,11 @@ logger = logging.getLogger("django_outbox.consumer")
 DELIVERY_HEADER = "x-outbox-delivery"
 # Header of a message the consumer dead-lettered: why (the outcome and the error).
 REASON_HEADER = "x-outbox-reason"
+# A message whose handler loses its database connection while the database itself answers
+# (a killed session, a failover) is tried again at once, uncounted, this many times; after
+# that the loss counts as a failure: a handler that breaks its own connection every time
+# must not hold the queue for good.
+LOST_CONNECTION_RETRIES = 3
 
 
 class ImproperlyConfiguredHandler(OutboxError):
@@ -82,6 +98,17 @@ class HandlerResult:
     event_id: str = ""
     event_type: str = ""
     error: str = ""
+    #: FAILED because the connection to this database was lost (or could not be opened):
+    #: nothing in the message is to blame. The alias; "" for any other outcome or failure.
+    lost_database: str = ""
+
+
+class DatabaseUnavailable(OutboxError):
+    """A handler's database connection was lost: the delivery was not settled."""
+
+    def __init__(self, using: str, error: str) -> None:
+        super().__init__(f"database {using!r}: {error}")
+        self.using, self.error = using, error
 
 
 def message_outcome(results: Sequence[HandlerResult]) -> Outcome:
@@ -224,7 +251,12 @@ class IdempotentHandler:
             "event_id": event.event_id,
             "event_type": event.event_type,
         }
+        using = self.database()
+        connection = connections[using]
+        opened = None  # the driver's connection the handler ran on
         try:
+            connection.ensure_connection()
+            opened = connection.connection
             outcome = self.process(event)
         except _OutOfOrder as exc:
             logger.warning(
@@ -236,6 +268,18 @@ class IdempotentHandler:
             )
             return HandlerResult(exc.outcome, error=exc.reason, **result)
         except Exception as exc:
+            if connection_lost(exc, connection, opened):
+                logger.warning(
+                    "handler %s: the connection to database %r was lost on %s %s; rolled back: %s",
+                    result["handler"],
+                    using,
+                    event.event_type,
+                    event.event_id,
+                    error_text(exc),
+                )
+                return HandlerResult(
+                    Outcome.FAILED, error=error_text(exc), lost_database=using, **result
+                )
             return self._failed(event, exc, result)
         return HandlerResult(outcome, **result)
 
@@ -306,6 +350,47 @@ class IdempotentHandler:
         )
         error = error_text(exc)
         return HandlerResult(Outcome.FAILED, error=error, **result)
+
+
+def connection_lost(exc: BaseException, connection: Any, opened: Any) -> bool:
+    """Whether ``exc`` means the handler's database connection is gone, not a handler bug.
+
+    A database error of the kind drivers raise for a dropped or refused connection
+    (``OperationalError``, ``InterfaceError``; anywhere in the exception's chain, as a
+    handler may wrap it) *and* the driver's connection ``opened`` before the handler ran is
+    gone: it could not be opened (None), ``atomic()`` dropped it because even the rollback
+    failed (Django may already have opened a new one by then), or it no longer answers.
+    A deadlock or a lock timeout is an ``OperationalError`` on a connection that still
+    works: a failure of the handler.
+    """
+    seen: list[BaseException] = []
+    error: BaseException | None = exc
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    if not any(isinstance(e, (OperationalError, InterfaceError)) for e in seen):
+        return False
+    if opened is None or connection.connection is not opened:
+        return True
+    try:
+        return not connection.is_usable()
+    except Exception:  # a driver that cannot even tell
+        return True
+
+
+def database_answers(using: str) -> bool:
+    """Open (or reuse) the connection ``using`` and run ``SELECT 1``; False if that fails."""
+    connection = connections[using]
+    try:
+        connection.ensure_connection()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError:
+        # The driver may refuse to close a dead socket; Django forgets it anyway.
+        with suppress(DatabaseError):
+            connection.close()
+        return False
+    return True
 
 
 class _Duplicate(Exception):
@@ -698,11 +783,9 @@ class Consumer:
                     if until_idle or stop.is_set():
                         return True
                     continue
-                tidy_connections()
-                try:
-                    outcome = self.handle_delivery(channel, method, properties, body)
-                finally:
-                    tidy_connections()
+                outcome = self._deliver(stop, channel, method, properties, body)
+                if outcome is None:  # stopped during a database outage: handed back
+                    return True
                 result.add(outcome)
                 if self._dead_lettered_last:
                     result.dead_lettered += 1
@@ -716,8 +799,92 @@ class Consumer:
 
     _dead_lettered_last = False
 
-    def handle_delivery(self, channel: Any, method: Any, properties: Any, body: bytes) -> Outcome:
-        """Process one delivery and settle it with the broker (ack, requeue or dead-letter)."""
+    def _deliver(
+        self, stop: threading.Event, channel: Any, method: Any, properties: Any, body: bytes
+    ) -> Outcome | None:
+        """:meth:`handle_delivery`, holding the message through an outage of the database.
+
+        An outage of the consumer's own database is nobody's fault: the message is neither
+        acked nor returned (a return counts a delivery against it on a quorum queue), the
+        consumer takes no other one meanwhile, waits with a growing pause until the database
+        answers, then handles the same delivery again. A connection lost while the database
+        answers at once is retried at once, :data:`LOST_CONNECTION_RETRIES` times. None:
+        ``stop`` was set while waiting, and the message was handed back (``basic.nack``).
+        """
+        backoff = Backoff(maximum=self.reconnect_max)
+        quick_losses = 0
+        while True:
+            tidy_connections()
+            try:
+                return self.handle_delivery(
+                    channel,
+                    method,
+                    properties,
+                    body,
+                    hold_on_lost_connection=quick_losses < LOST_CONNECTION_RETRIES,
+                )
+            except DatabaseUnavailable as exc:
+                lost = exc
+            finally:
+                tidy_connections()
+            if database_answers(lost.using):
+                quick_losses += 1
+                logger.warning(
+                    "message %r: the connection to database %r was lost and the database "
+                    "answers; trying the message again (%d of %d)",
+                    properties.message_id,
+                    lost.using,
+                    quick_losses,
+                    LOST_CONNECTION_RETRIES,
+                )
+                continue
+            if not self._wait_for_database(stop, lost, backoff, properties.message_id):
+                # basic.nack, not basic.reject: RabbitMQ 4.3+ counts no delivery for it.
+                channel.basic_nack(method.delivery_tag, requeue=True)
+                return None
+
+    def _wait_for_database(
+        self, stop: threading.Event, lost: DatabaseUnavailable, backoff: Backoff, message_id: Any
+    ) -> bool:
+        """Wait until the database answers (True) or ``stop`` is set (False), keeping the
+        broker connection serviced (heartbeats) and the message unacknowledged."""
+        while True:
+            pause = backoff.next()
+            logger.warning(
+                "database %r unavailable (%s); holding message %r unacknowledged (no delivery "
+                "counted) and taking no other; retrying in %.1fs",
+                lost.using,
+                lost.error,
+                message_id,
+                pause,
+            )
+            deadline = time.monotonic() + pause
+            while (remaining := deadline - time.monotonic()) > 0:
+                if stop.is_set():
+                    return False
+                self._connection.sleep(min(remaining, 0.2))
+            if stop.is_set():
+                return False
+            if database_answers(lost.using):
+                logger.info(
+                    "database %r answers again; handling message %r again", lost.using, message_id
+                )
+                return True
+
+    def handle_delivery(
+        self,
+        channel: Any,
+        method: Any,
+        properties: Any,
+        body: bytes,
+        *,
+        hold_on_lost_connection: bool = False,
+    ) -> Outcome:
+        """Process one delivery and settle it with the broker (ack, requeue or dead-letter).
+
+        With ``hold_on_lost_connection``, a handler that lost its database connection
+        raises :class:`DatabaseUnavailable` instead, and the delivery is left unsettled.
+        """
         self._dead_lettered_last = False
         headers = dict(properties.headers or {})
         outcome, results = self.dispatcher.receive(
@@ -728,6 +895,9 @@ class Consumer:
             redelivered=method.redelivered,
             content_type=properties.content_type,
         )
+        lost = next((r for r in results if r.lost_database), None)
+        if lost is not None and hold_on_lost_connection:
+            raise DatabaseUnavailable(lost.lost_database, lost.error)
         if outcome.acknowledge:
             channel.basic_ack(method.delivery_tag)
         elif outcome in (Outcome.UNDECODABLE, Outcome.OUT_OF_ORDER):
@@ -827,7 +997,9 @@ class Consumer:
             # Keep the connection serviced (heartbeats) while waiting.
             self._connection.sleep(min(self.retry_delay * delivery, 30.0))
         if self.queue_type == "quorum":
-            channel.basic_nack(method.delivery_tag, requeue=True)
+            # basic.reject, not basic.nack: from RabbitMQ 4.3 only a reject counts a
+            # delivery (x-delivery-count); before 4.3 every return did.
+            channel.basic_reject(method.delivery_tag, requeue=True)
             return
         # Classic queues do not count redeliveries: publish a copy with the count, then ack
         # the original (confirmed first, so the message is never lost in between).

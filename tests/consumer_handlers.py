@@ -104,3 +104,29 @@ class GatedOrderedHandler(OrderedParkHandler):
         super().handle(event)
         type(self).entered.set()
         assert type(self).release.wait(30)
+
+
+class ConnectionBreakingHandler(AwardPointsHandler):
+    """Closes its own database connection under Django every time: the database answers,
+    but this handler loses its connection on every delivery (a poison, not an outage)."""
+
+    name = "tests.connection_breaking"
+
+    def handle(self, event):
+        from django.db import connection
+
+        super().handle(event)
+        connection.connection.close()  # the driver's connection, behind Django's back
+        PointsLedger.objects.count()  # fails: the connection is gone
+
+
+class DeadlockHandler(AwardPointsHandler):
+    """Raises an OperationalError (as a deadlock does) on a connection that still works."""
+
+    name = "tests.deadlock"
+
+    def handle(self, event):
+        from django.db import OperationalError
+
+        super().handle(event)
+        raise OperationalError("deadlock detected")

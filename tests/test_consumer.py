@@ -258,3 +258,12 @@ def test_length_limits_are_the_columns():
     assert InboxMessage._meta.get_field("event_type").max_length == message.MAX_EVENT_TYPE_LENGTH
     for name in ("aggregate_type", "aggregate_id"):
         assert AggregateSequence._meta.get_field(name).max_length == message.MAX_AGGREGATE_LENGTH
+
+
+def test_an_operational_error_on_a_working_connection_is_a_handler_failure():
+    """Not an outage (the consumer would hold the message): a deadlock or lock timeout."""
+    dispatcher = Dispatcher(handlers=["tests.consumer_handlers.DeadlockHandler"])
+    [result] = dispatcher.process(received(unsaved_event()))
+    assert result.outcome is Outcome.FAILED
+    assert (result.lost_database, result.error) == ("", "OperationalError: deadlock detected")
+    assert PointsLedger.objects.count() == 0

@@ -18,7 +18,7 @@ from django_outbox.message import encode_body
 from points.models import PointsLedger
 from tests.utils.amqp import AWARD, make_consumer, properties
 from tests.utils.rows import unsaved_event
-from tests.utils.subprocess import django_env, manage_command
+from tests.utils.subprocess import database_url, django_env, manage_command
 from tests.utils.threads import db_thread
 from tests.utils.waiting import wait_for
 
@@ -316,3 +316,94 @@ def test_reconnects_after_the_connection_is_lost(broker):
         proxy.close()
     assert results[0].counts[Outcome.PROCESSED] == 2
     assert broker.count(broker.queue) == 0
+
+
+def needs_a_database_server(db_vendor: str) -> None:
+    if db_vendor == "sqlite":
+        pytest.skip("a database outage needs PostgreSQL or MariaDB (a server to cut off)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_database_outage_holds_messages_and_counts_no_delivery(broker, db_vendor, queue_type):
+    """Issue 19: the consumer's database unreachable with valid messages queued. Before, each
+    failed with OperationalError, was retried and dead-lettered; now the consumer holds the
+    message in hand unacknowledged, backs off until the database answers, and goes on."""
+    from tests.utils.proxy import TcpProxy
+
+    needs_a_database_server(db_vendor)
+    make_consumer(broker, queue_type=queue_type, max_retries=1).close()
+    proxy, url = TcpProxy.for_url(database_url())
+    env = django_env(AMQP_URL=broker.url, DATABASE_URL=url)
+    command = manage_command(
+        "consume_outbox",
+        "--queue",
+        broker.queue,
+        "--exchange",
+        broker.exchange,
+        "--queue-type",
+        queue_type,
+        "--max-retries",
+        "1",
+        "--retry-delay",
+        "0",
+        "--handler",
+        AWARD,
+    )
+    events = [unsaved_event(pk=i) for i in range(1, 5)]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        broker.publish(events[0])
+        assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=60)
+        proxy.refuse()
+        proxy.cut()
+        for event in events[1:]:
+            broker.publish(event)
+        time.sleep(4)  # the outage: several backoff steps (0.5 s, 1 s, 2 s)
+        assert child.poll() is None
+        assert broker.count(broker.dlq) == 0
+        assert PointsLedger.objects.count() == 1
+        proxy.allow()
+        assert wait_for(lambda: PointsLedger.objects.count() == 4, timeout=60)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        proxy.close()
+        if child.poll() is None:
+            child.kill()
+    log = err.decode()
+    assert child.returncode == 0, log
+    assert "processed 4" in out.decode()
+    assert "unavailable" in log and "holding message" in log
+    assert "failed (delivery" not in log  # no delivery was counted as a failure
+    assert broker.count(broker.dlq) == 0
+    assert broker.count(broker.queue) == 0
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_a_handler_that_breaks_its_own_connection_is_not_held_for_good(
+    broker, db_vendor, queue_type, caplog
+):
+    """The connection is lost but the database answers: retried at once, uncounted, a few
+    times; then it is a failure like any other and ends in the dead-letter queue."""
+    from django_outbox.consumer import LOST_CONNECTION_RETRIES, REASON_HEADER
+
+    needs_a_database_server(db_vendor)
+    consumer = make_consumer(
+        broker,
+        handlers=["tests.consumer_handlers.ConnectionBreakingHandler"],
+        queue_type=queue_type,
+        max_retries=1,
+    )
+    event = unsaved_event()
+    broker.publish(event)
+    result = consumer.run(until_idle=True)
+    # Each delivery: LOST_CONNECTION_RETRIES uncounted tries, then one counted failure.
+    assert result.counts[Outcome.FAILED] == 2
+    assert result.dead_lettered == 1
+    assert PointsLedger.objects.count() == 0
+    [(dead, _body)] = broker.drain(broker.dlq)
+    assert dead.message_id == event.event_id
+    assert dead.headers[REASON_HEADER].startswith("failed 2 time(s): ")
+    again = [r for r in caplog.records if "trying the message again" in r.getMessage()]
+    assert len(again) == 2 * LOST_CONNECTION_RETRIES
