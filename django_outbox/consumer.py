@@ -809,7 +809,8 @@ class Consumer:
         consumer takes no other one meanwhile, waits with a growing pause until the database
         answers, then handles the same delivery again. A connection lost while the database
         answers at once is retried at once, :data:`LOST_CONNECTION_RETRIES` times. None:
-        ``stop`` was set while waiting, and the message was handed back (``basic.nack``).
+        ``stop`` was set while waiting; the message is still unsettled (closing the channel
+        returns it).
         """
         backoff = Backoff(maximum=self.reconnect_max)
         quick_losses = 0
@@ -839,8 +840,10 @@ class Consumer:
                 )
                 continue
             if not self._wait_for_database(stop, lost, backoff, properties.message_id):
-                # basic.nack, not basic.reject: RabbitMQ 4.3+ counts no delivery for it.
-                channel.basic_nack(method.delivery_tag, requeue=True)
+                # Not nacked here: the consumer still listens, the broker would hand the
+                # message straight back, and closing the channel would return it a second
+                # time (two deliveries counted). Cancelling the consumer, then closing the
+                # channel (what the caller does) returns it once.
                 return None
 
     def _wait_for_database(

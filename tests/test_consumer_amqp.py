@@ -323,18 +323,13 @@ def needs_a_database_server(db_vendor: str) -> None:
         pytest.skip("a database outage needs PostgreSQL or MariaDB (a server to cut off)")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
-def test_database_outage_holds_messages_and_counts_no_delivery(broker, db_vendor, queue_type):
-    """Issue 19: the consumer's database unreachable with valid messages queued. Before, each
-    failed with OperationalError, was retried and dead-lettered; now the consumer holds the
-    message in hand unacknowledged, backs off until the database answers, and goes on."""
+def consumer_behind_a_database_proxy(broker, queue_type, stderr, max_retries=1):
+    """consume_outbox in a child process whose database connections go through a TcpProxy
+    (by default ``--max-retries 1``: a counted failure would dead-letter at once)."""
     from tests.utils.proxy import TcpProxy
 
-    needs_a_database_server(db_vendor)
-    make_consumer(broker, queue_type=queue_type, max_retries=1).close()
+    make_consumer(broker, queue_type=queue_type, max_retries=max_retries).close()
     proxy, url = TcpProxy.for_url(database_url())
-    env = django_env(AMQP_URL=broker.url, DATABASE_URL=url)
     command = manage_command(
         "consume_outbox",
         "--queue",
@@ -344,14 +339,30 @@ def test_database_outage_holds_messages_and_counts_no_delivery(broker, db_vendor
         "--queue-type",
         queue_type,
         "--max-retries",
-        "1",
+        str(max_retries),
         "--retry-delay",
         "0",
         "--handler",
         AWARD,
     )
+    env = django_env(AMQP_URL=broker.url, DATABASE_URL=url)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr)
+    return proxy, child
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_database_outage_holds_messages_and_counts_no_delivery(
+    broker, db_vendor, queue_type, tmp_path
+):
+    """Issue 19: the consumer's database unreachable with valid messages queued. Before, each
+    failed with OperationalError, was retried and dead-lettered; now the consumer holds the
+    message in hand unacknowledged, backs off until the database answers, and goes on."""
+    needs_a_database_server(db_vendor)
     events = [unsaved_event(pk=i) for i in range(1, 5)]
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = tmp_path / "stderr"
+    with log.open("wb") as stderr:
+        proxy, child = consumer_behind_a_database_proxy(broker, queue_type, stderr)
     try:
         broker.publish(events[0])
         assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=60)
@@ -366,18 +377,46 @@ def test_database_outage_holds_messages_and_counts_no_delivery(broker, db_vendor
         proxy.allow()
         assert wait_for(lambda: PointsLedger.objects.count() == 4, timeout=60)
         child.send_signal(signal.SIGTERM)
-        out, err = child.communicate(timeout=60)
+        out, _ = child.communicate(timeout=60)
     finally:
         proxy.close()
         if child.poll() is None:
             child.kill()
-    log = err.decode()
-    assert child.returncode == 0, log
+    text = log.read_text()
+    assert child.returncode == 0, text
     assert "processed 4" in out.decode()
-    assert "unavailable" in log and "holding message" in log
-    assert "failed (delivery" not in log  # no delivery was counted as a failure
+    assert "unavailable" in text and "holding message" in text
+    assert "failed (delivery" not in text  # no delivery was counted as a failure
     assert broker.count(broker.dlq) == 0
     assert broker.count(broker.queue) == 0
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_database_outage_hands_the_messages_back(broker, db_vendor, tmp_path):
+    needs_a_database_server(db_vendor)
+    log = tmp_path / "stderr"
+    with log.open("wb") as stderr:
+        # Not --max-retries 1: pika rejects prefetched messages on the way out before it
+        # cancels the consumer, and RabbitMQ may count such a message twice (any stop).
+        proxy, child = consumer_behind_a_database_proxy(broker, "quorum", stderr, max_retries=5)
+    try:
+        broker.publish(unsaved_event(pk=1))
+        assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=60)
+        proxy.refuse()
+        proxy.cut()
+        broker.publish(unsaved_event(pk=2))
+        broker.publish(unsaved_event(pk=3))
+        assert wait_for(lambda: "holding message" in log.read_text(), timeout=60)
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=60) == 0, log.read_text()
+    finally:
+        proxy.close()
+        if child.poll() is None:
+            child.kill()
+    # The held message and the prefetched one are back in the queue, none dead-lettered.
+    assert wait_for(lambda: broker.count(broker.queue) == 2), log.read_text()
+    assert broker.count(broker.dlq) == 0
+    assert PointsLedger.objects.count() == 1
 
 
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
