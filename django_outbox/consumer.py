@@ -543,6 +543,7 @@ class Dispatcher:
         message_type: str | None,
         headers: Mapping[str, Any] | None,
         redelivered: bool = False,
+        content_type: str | None = None,
     ) -> tuple[Outcome, list[HandlerResult]]:
         """Process one delivered message: the outcome that says how to settle it with the
         broker (:attr:`Outcome.acknowledge`), and each handler's result."""
@@ -552,6 +553,7 @@ class Dispatcher:
             message_type=message_type,
             headers=headers,
             redelivered=redelivered,
+            content_type=content_type,
         )
         return message_outcome(results), results
 

@@ -186,6 +186,8 @@ def test_a_consumer_without_handlers_is_a_configuration_error(settings, monkeypa
     with pytest.raises(CommandError, match="No handlers to run") as info:
         call_command("consume_outbox", stderr=StringIO())
     assert info.value.returncode == 2
+
+
 # Each is a message some publisher could send; each must be UNDECODABLE, with a reason that
 # names what is wrong, and never raise out of the dispatcher (issue 19: these crashed it).
 MALFORMED = {

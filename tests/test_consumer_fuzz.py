@@ -26,7 +26,8 @@ import pytest
 from django_outbox.consumer import DELIVERY_HEADER, REASON_HEADER, Consumer, Outcome
 from django_outbox.message import encode_body
 from points.models import PointsLedger
-from tests.consumer_utils import make_event, private_broker, properties
+from tests.utils.amqp import properties
+from tests.utils.rows import unsaved_event
 from tests.utils.threads import db_thread
 from tests.utils.waiting import wait_for
 
@@ -66,7 +67,7 @@ ODD_OWN_HEADERS = [{"x": [1, {"y": None}]}, b"\x00\xff", None, True, 2**40, Deci
 
 class Message:
     def __init__(self, index: int, rng: random.Random) -> None:
-        self.event = make_event(pk=index + 1)
+        self.event = unsaved_event(pk=index + 1)
         self.props = properties(self.event)
         self.props.headers[TAG] = index
         self.body = encode_body(self.event)
@@ -129,7 +130,7 @@ def unknown_type(m: Message, rng: random.Random) -> None:
 
 def failing_payload(m: Message, rng: random.Random) -> None:
     payload = rng.choice(FAILING_PAYLOADS)
-    m.body = encode_body(make_event(payload=payload))
+    m.body = encode_body(unsaved_event(payload=payload))
     m.fates.append(FAILS)
 
 
@@ -171,56 +172,55 @@ MUTATIONS: list[Callable[[Message, random.Random], None]] = [
 
 
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
-def test_fuzzed_messages_all_end_somewhere_and_the_consumer_stays_up(amqp_url, queue_type):
+def test_fuzzed_messages_all_end_somewhere_and_the_consumer_stays_up(broker, queue_type):
     seed = int(os.environ.get("FUZZ_SEED") or random.randrange(2**32))
     print(f"FUZZ_SEED={seed} ({queue_type})")  # shown by pytest when the test fails
     rng = random.Random(seed)
     messages = [Message(i, rng) for i in range(MESSAGES)]
     duplicates = [m for m in messages if m.fate == GOOD and rng.random() < 0.1]
-    with private_broker(amqp_url) as broker:
-        consumer = Consumer(
-            handlers=["points.handlers.AwardPointsHandler"],
-            url=broker.url,
-            queue=broker.queue,
-            exchange=broker.exchange,
-            queue_type=queue_type,
-            max_retries=1,
-            retry_delay=0,
-            idle_timeout=0.2,
-        )
-        consumer.connect()
-        stop, results = threading.Event(), []
-        thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
-        thread.start()
-        try:
-            for m in [*messages, *duplicates]:
-                broker.publish_raw(m.body, m.props, m.routing_key)
-            expected = Counter(m.fate for m in messages)
-            dead_expected = expected[DEAD] + expected[FAILS]
+    consumer = Consumer(
+        handlers=["points.handlers.AwardPointsHandler"],
+        url=broker.url,
+        queue=broker.queue,
+        exchange=broker.exchange,
+        queue_type=queue_type,
+        max_retries=1,
+        retry_delay=0,
+        idle_timeout=0.2,
+    )
+    consumer.connect()
+    stop, results = threading.Event(), []
+    thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
+    thread.start()
+    try:
+        for m in [*messages, *duplicates]:
+            broker.publish_raw(m.body, m.props, m.routing_key)
+        expected = Counter(m.fate for m in messages)
+        dead_expected = expected[DEAD] + expected[FAILS]
 
-            def settled() -> bool:
-                return not thread.is_alive() or (
-                    broker.count(broker.queue) == 0
-                    and broker.count(broker.dlq) >= dead_expected
-                    and PointsLedger.objects.count() >= expected[GOOD]
-                )
-
-            assert wait_for(settled, timeout=120) and thread.is_alive(), (
-                f"seed {seed}: not settled: queue {broker.count(broker.queue)}, dead-letter "
-                f"queue {broker.count(broker.dlq)} of {dead_expected}, processed "
-                f"{PointsLedger.objects.count()} of {expected[GOOD]}, consumer alive: "
-                f"{thread.is_alive()}"
+        def settled() -> bool:
+            return not thread.is_alive() or (
+                broker.count(broker.queue) == 0
+                and broker.count(broker.dlq) >= dead_expected
+                and PointsLedger.objects.count() >= expected[GOOD]
             )
-        finally:
-            stop.set()
-            thread.join(timeout=60)
-        assert not thread.is_alive() and results, f"seed {seed}: the consumer did not stop"
-        result = results[0]
-        dead = {
-            props.headers[TAG]: props.headers.get(REASON_HEADER, "")
-            for props, _ in broker.drain(broker.dlq)
-        }
-        assert broker.count(broker.queue) == 0
+
+        assert wait_for(settled, timeout=120) and thread.is_alive(), (
+            f"seed {seed}: not settled: queue {broker.count(broker.queue)}, dead-letter "
+            f"queue {broker.count(broker.dlq)} of {dead_expected}, processed "
+            f"{PointsLedger.objects.count()} of {expected[GOOD]}, consumer alive: "
+            f"{thread.is_alive()}"
+        )
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive() and results, f"seed {seed}: the consumer did not stop"
+    result = results[0]
+    dead = {
+        props.headers[TAG]: props.headers.get(REASON_HEADER, "")
+        for props, _ in broker.drain(broker.dlq)
+    }
+    assert broker.count(broker.queue) == 0
 
     def wrong(fate: str, got: set[int]) -> list[str]:
         want = {i for i, m in enumerate(messages) if m.fate == fate}
