@@ -162,6 +162,14 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # events come from outbox.emit() inside a business transaction
 
+    def has_delete_permission(self, request: HttpRequest, obj: OutboxEvent | None = None) -> bool:
+        # An undelivered event deleted here is lost for good: PENDING and DEAD rows are
+        # requeued or marked dead, never deleted. Only a SENT row may go (purge_outbox
+        # removes them in bulk), for a user with the delete permission.
+        if obj is not None and obj.status != Status.SENT:
+            return False
+        return super().has_delete_permission(request, obj)
+
     def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
         # Django 6.1 says where the actions are shown (admin.ActionLocation) and deprecates
         # overrides without the parameter; 5.2 and 6.0 call get_actions(request) only.

@@ -234,3 +234,24 @@ def test_get_actions_answers_both_djangos_calls(rf):
         names = set(model_admin.get_actions(request, **kwargs))
         assert {"requeue", "mark_dead"} <= names
         assert "delete_selected" not in names
+
+
+@pytest.mark.parametrize("status", [Status.PENDING, Status.DEAD])
+def test_an_undelivered_event_cannot_be_deleted_from_the_admin(superuser_client, status):
+    """Neither the change page's Delete link nor a crafted POST to the delete view."""
+    (row,) = make_events({"status": status})
+    change = superuser_client.get(reverse("admin:django_outbox_outboxevent_change", args=[row.pk]))
+    assert change.status_code == 200
+    delete_url = reverse("admin:django_outbox_outboxevent_delete", args=[row.pk])
+    assert delete_url not in change.content.decode()
+    assert superuser_client.get(delete_url).status_code == 403
+    assert superuser_client.post(delete_url, {"post": "yes"}).status_code == 403
+    assert OutboxEvent.objects.filter(pk=row.pk, status=status).exists()
+
+
+def test_a_sent_event_can_be_deleted_by_a_user_with_the_delete_permission(superuser_client):
+    (row,) = make_events({"status": Status.SENT})
+    delete_url = reverse("admin:django_outbox_outboxevent_delete", args=[row.pk])
+    response = superuser_client.post(delete_url, {"post": "yes"})
+    assert response.status_code == 302
+    assert not OutboxEvent.objects.filter(pk=row.pk).exists()
