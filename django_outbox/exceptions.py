@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .masking import mask_urls_in
+
 #: An error's text is cut to this many characters where it is stored (an outbox row's
 #: ``last_error``, a consumer's dead-letter header): a traceback-sized message must not
 #: bloat every row or header that records it.
@@ -9,10 +11,11 @@ MAX_ERROR_LENGTH = 2000
 
 
 def error_text(error: BaseException | str) -> str:
-    """``error`` as it is recorded: ``"Type: message"`` for an exception, cut to
-    :data:`MAX_ERROR_LENGTH` characters."""
+    """``error`` as it is recorded: ``"Type: message"`` for an exception, the password of
+    any URL in it masked (what is recorded is shown to every admin user who may view the
+    outbox), cut to :data:`MAX_ERROR_LENGTH` characters."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    return text[:MAX_ERROR_LENGTH]
+    return mask_urls_in(text)[:MAX_ERROR_LENGTH]
 
 
 class OutboxError(Exception):

@@ -13,21 +13,36 @@ def mask_url(url: str) -> str:
 
     ``amqp://app:s3cret@rabbitmq:5672/%2F`` becomes ``amqp://app:***@rabbitmq:5672/%2F``.
     Works for any ``scheme://user:password@host`` URL (AMQP, PostgreSQL, MySQL, Redis).
-    A value that does not parse is masked whole rather than risk printing a secret.
+
+    The credentials are everything before the last ``@``, not what ``urlsplit`` calls the
+    netloc: a password with an unescaped ``/``, ``?`` or ``#`` (``amqp://u:2024/pw@h/``)
+    ends the netloc early, and would be printed whole. Where that rule masks more than the
+    password (an ``@`` in the path or query), it hides, never shows.
     """
     if not url:
         return url
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a malformed port
-    except ValueError:
-        return MASK
-    if "@" not in parts.netloc:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    at = rest.rfind("@")
+    if at < 0:
         return url
-    userinfo, _, hostinfo = parts.netloc.rpartition("@")
-    user, has_password, _ = userinfo.partition(":")
-    masked_userinfo = f"{user}:{MASK}" if has_password else user
-    return urlunsplit(parts._replace(netloc=f"{masked_userinfo}@{hostinfo}"))
+    user, has_password, _ = rest[:at].partition(":")
+    if not has_password:
+        return url
+    return f"{scheme}{sep}{user}:{MASK}{rest[at:]}"
+
+
+#: What looks like a URL inside a longer text (an exception's message, a log line).
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
+
+
+def mask_urls_in(text: str) -> str:
+    """``text`` with the password of every URL in it masked (:func:`mask_url`): for error
+    messages that a library may have written a connection URL into."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda match: mask_url(match.group(0)), text)
 
 
 def mask_webhook_url(url: str) -> str:

@@ -402,8 +402,12 @@ def test_check_prefers_the_backend_option() -> None:
         ("amqp://rabbit/", "amqp://rabbit/"),
         ("amqp://user@rabbit/", "amqp://user@rabbit/"),
         ("postgres://u:pw@db/app", "postgres://u:***@db/app"),
-        ("amqp://u:pw@rabbit:notaport/", "***"),
+        ("amqp://u:pw@rabbit:notaport/", "amqp://u:***@rabbit:notaport/"),
         ("", ""),
+        # A password with an unescaped "/", "?" or "#": urlsplit's netloc ends before it.
+        ("amqp://u:2024/pw@h:5672/v", "amqp://u:***@h:5672/v"),
+        ("amqp://u:p?w#x@h/v", "amqp://u:***@h/v"),
+        ("u:pw@host:5672", "u:***@host:5672"),  # no scheme
     ],
 )
 def test_mask_url(url: str, masked: str) -> None:

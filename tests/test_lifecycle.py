@@ -154,3 +154,14 @@ def _writes_outside_the_lifecycle() -> list[str]:
 @pytest.mark.once
 def test_only_the_queryset_writes_the_rows_state():
     assert _writes_outside_the_lifecycle() == []
+
+
+def test_a_url_in_an_error_is_recorded_with_its_password_masked():
+    """last_error is shown to every admin user who may view the outbox."""
+    (row,) = make_events({})
+    token, rows = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    error = "cannot connect to 'amqp://app:2024/s3cret@rabbit:5672/%2F': refused"
+    OutboxEvent.objects.all().mark_failed(token, [(rows[0], error)], FixedRetryPolicy(1, 5))
+    row.refresh_from_db()
+    assert row.last_error == "cannot connect to 'amqp://app:***@rabbit:5672/%2F': refused"
+    assert "s3cret" not in row.last_error
