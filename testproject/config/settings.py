@@ -9,6 +9,9 @@ no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
 - ``OUTBOX_BACKEND``, ``OUTBOX_LEASE_SECONDS``, ``OUTBOX_CONFIRM_TIMEOUT``: what
   ``manage.py demo`` sets for the relay processes it starts.
+- ``DEBUG=1``: Django's debug mode, off by default (an error page would show the broker
+  and database URLs to whoever triggers it; ``runserver`` serves the admin's static files
+  only with it on).
 """
 
 from pathlib import Path
@@ -18,7 +21,7 @@ import environ
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env(
-    DEBUG=(bool, True),
+    DEBUG=(bool, False),
     SECRET_KEY=(str, "demo-only-not-secret-" + "x" * 40),
     ALLOWED_HOSTS=(list, ["localhost", "127.0.0.1", "[::1]", "testserver"]),
     AMQP_URL=(str, ""),
@@ -29,6 +32,8 @@ env = environ.Env(
 )
 
 DEBUG = env("DEBUG")
+# Error pages and error e-mails hide the connection URLs too, not only *PASS*/*KEY* names.
+DEFAULT_EXCEPTION_REPORTER_FILTER = "config.reporting.SecretSettingsFilter"
 SECRET_KEY = env("SECRET_KEY")
 ALLOWED_HOSTS = env("ALLOWED_HOSTS")
 
