@@ -1,4 +1,4 @@
-"""Django internals the outbox relies on (Django>=4.2,<6.0, pinned in pyproject.toml).
+"""Django internals the outbox relies on (Django>=5.2,<6.2, pinned in pyproject.toml).
 
 * :func:`build_rows`: model instances straight from a cursor's records, as
   ``Model.from_db()`` builds them but without ``Model.__init__``: ``Model.__new__``, the
@@ -25,7 +25,7 @@ from django.db import DatabaseError, connections, models
 from django.db.models.base import ModelState
 
 #: The Django releases these internals are known to behave as assumed (tests/test_compat.py).
-PINNED = "Django>=4.2,<6.0"
+PINNED = "Django>=5.2,<6.2"
 
 _Model = TypeVar("_Model", bound=models.Model)
 
