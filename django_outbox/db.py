@@ -16,7 +16,8 @@ from ._compat.django import clear_errors, forget_connection, had_errors
 
 
 class DbNow(Now):
-    """``Now()`` that is UTC on MySQL/MariaDB too.
+    """``Now()`` that is UTC on MySQL/MariaDB too, and local time on SQLite under
+    ``USE_TZ = False`` (the database clock in the terms Django reads datetimes in).
 
     Django stores naive UTC datetimes on MySQL when ``USE_TZ`` is on, but its ``Now()``
     renders ``CURRENT_TIMESTAMP`` in the *session* time zone; a server not running in UTC
@@ -26,6 +27,15 @@ class DbNow(Now):
 
     def as_mysql(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
         template = "UTC_TIMESTAMP(6)" if settings.USE_TZ else "CURRENT_TIMESTAMP(6)"
+        return self.as_sql(compiler, connection, template=template, **extra_context)
+
+    def as_sqlite(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
+        if settings.USE_TZ:
+            return super().as_sqlite(compiler, connection, **extra_context)
+        # Under USE_TZ = False Django's datetimes are naive local times in TIME_ZONE (it
+        # sets the process's TZ to it), but SQLite's 'now' is UTC: read the clock in the
+        # same local time, as PostgreSQL's session time zone does there.
+        template = "STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'now', 'localtime')"
         return self.as_sql(compiler, connection, template=template, **extra_context)
 
 

@@ -32,10 +32,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from django.conf import settings
 from django.db import connections
 from django.db.models import Count, Min, Q
 from django.db.models.functions import TruncMinute
 from django.db.models.sql import Query
+from django.utils import timezone as django_timezone
 
 from . import ordering
 from .db import DbNow
@@ -149,7 +151,8 @@ class OutboxStats:
         return retries, table
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form (``outbox_stats --json``); datetimes as ISO 8601 UTC strings."""
+        """JSON-ready form (``outbox_stats --json``); datetimes as ISO 8601 UTC strings
+        (under ``USE_TZ = False``, local times in ``TIME_ZONE`` converted to UTC)."""
         gauges = asdict(self.gauges)
         return {
             "now": _iso(self.gauges.now),
@@ -273,19 +276,35 @@ def format_age(seconds: float) -> str:
 
 
 def _iso(value: datetime | None) -> str | None:
-    return value.astimezone(timezone.utc).isoformat() if value is not None else None
+    """ISO 8601 in UTC. Under ``USE_TZ = False`` a naive value is local time in
+    ``TIME_ZONE`` (how Django stores and returns it), so it is labelled with that zone's
+    offset before conversion, never taken for UTC."""
+    if value is None:
+        return None
+    if django_timezone.is_naive(value):
+        value = value.replace(tzinfo=django_timezone.get_default_timezone())
+    return value.astimezone(timezone.utc).isoformat()
 
 
-def _aware_utc(value: Any) -> datetime:
-    if isinstance(value, str):  # SQLite returns text
-        value = datetime.fromisoformat(value)
-    if value.tzinfo is None:  # MySQL/MariaDB and SQLite: naive UTC
-        return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)  # type: ignore[no-any-return]
+def _normal(value: datetime) -> datetime:
+    """A datetime as Django hands one out: aware UTC under ``USE_TZ``, else naive local.
+
+    Every figure subtracts the database clock from column values the ORM returned, so
+    both must follow the same rule (mixing them is a TypeError under ``USE_TZ = False``).
+    """
+    if settings.USE_TZ:
+        # MySQL/MariaDB (UTC_TIMESTAMP) and SQLite ('now') read the clock as naive UTC.
+        if django_timezone.is_naive(value):
+            value = value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+    if django_timezone.is_aware(value):
+        return django_timezone.make_naive(value, django_timezone.get_default_timezone())
+    return value
 
 
 def db_now(using: str | None = None) -> datetime:
-    """The database's current time, as an aware UTC datetime (one round trip).
+    """The database's current time (one round trip), as Django returns a datetime column:
+    aware UTC under ``USE_TZ``, naive local time under ``USE_TZ = False``.
 
     Compiles :class:`~django_outbox.db.DbNow` with the connection's own compiler, so it is
     the very expression the relay compares ``next_retry_time`` with.
@@ -294,11 +313,14 @@ def db_now(using: str | None = None) -> datetime:
     connection = connections[using]
     query = Query(OutboxEvent)
     compiler = query.get_compiler(using=using)
-    sql, params = compiler.compile(DbNow().resolve_expression(query))
+    expression = DbNow().resolve_expression(query)
+    sql, params = compiler.compile(expression)
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT {sql}", list(params))
         (value,) = cursor.fetchone()
-    return _aware_utc(value)
+    if isinstance(value, str):  # SQLite returns text
+        value = datetime.fromisoformat(value)
+    return _normal(value)
 
 
 def gauges(using: str | None = None) -> Gauges:
@@ -314,7 +336,7 @@ def gauges(using: str | None = None) -> Gauges:
             oldest=Min("created_at", filter=Q(status=Status.PENDING)),
         )
     )
-    oldest = figures["oldest"]
+    oldest = _normal(figures["oldest"]) if figures["oldest"] is not None else None
     age = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
     dead = figures["dead"] or 0
     return Gauges(
@@ -432,4 +454,4 @@ def _per_minute(queryset: Any, column: str) -> dict[datetime, int]:
         .annotate(n=Count("id"))
         .order_by()
     )
-    return {_aware_utc(minute): n for minute, n in rows}
+    return {_normal(minute): n for minute, n in rows}
