@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from ...exceptions import OutboxError
+from ...models import outbox_db
 from ...relay import BrokerOutage, Relay, stale_source
 from ...worker import configure_logging
+from ..errors import DatabaseCommand, database_errors
 from ..options import duration, positive_int
 
 __all__ = ["Command", "stale_source"]
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Deliver PENDING outbox events the relay left behind (older than --stale-after), "
         "at most --max-batch, then exit. Meant for a Kubernetes CronJob every 5 minutes."
@@ -54,7 +56,8 @@ class Command(BaseCommand):
         except (OutboxError, TypeError) as exc:
             raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         try:
-            result = relay.run_once()
+            with database_errors("compensate_outbox", outbox_db()):
+                result = relay.run_once()
         except BrokerOutage as exc:
             raise CommandError(
                 f"compensate_outbox: the broker is unreachable ({exc}); the rows stay PENDING "
@@ -63,7 +66,9 @@ class Command(BaseCommand):
             ) from exc
         except DatabaseError as exc:
             raise CommandError(
-                f"compensate_outbox: the database is unreachable ({exc}).", returncode=2
+                f"compensate_outbox: the database failed ({' '.join(str(exc).split())}); "
+                "the rows stay PENDING for the next run.",
+                returncode=2,
             ) from exc
         self.stdout.write(f"compensate_outbox: {result.summary()}")
         if result.failed or result.dead:

@@ -1,4 +1,8 @@
-"""manage.py consume_outbox: run the IdempotentHandlers over a RabbitMQ queue."""
+"""manage.py consume_outbox: run the IdempotentHandlers over a RabbitMQ queue.
+
+Exit codes: 0 stopped by a signal, or ``--once``/``--max-messages`` done; 1 a second
+signal; 2 misconfigured, or the handlers' database unreachable at start.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,17 @@ import threading
 from json import dumps
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from ...conf import outbox_settings
 from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
 from ...masking import mask_url
 from ...worker import configure_logging, stop_on_signals
+from ..errors import DatabaseCommand
 from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Consume outbox events from RabbitMQ and run the IdempotentHandlers, acknowledging "
         "each message only after its handler's transaction committed. Runs until "
@@ -85,6 +90,17 @@ class Command(BaseCommand):
             action="store_true",
             help="At the end, print the totals as one JSON object instead of the summary line.",
         )
+
+    def databases_needed(self, options: dict[str, Any]) -> list[str]:
+        """Where the handlers write (their de-duplication model's database); none for
+        --list. Once running, the consumer holds the message in hand through an outage."""
+        if options.get("list"):
+            return []
+        try:
+            classes = get_handlers(options.get("handlers"))
+        except ImproperlyConfiguredHandler:
+            return []  # handle() says what is wrong with them, exit 2
+        return sorted({cls().database() for cls in classes})
 
     def handle(
         self,

@@ -9,15 +9,16 @@ from __future__ import annotations
 from json import dumps
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from ... import stats
 from ...models import outbox_db
+from ..errors import DatabaseCommand, database_errors
 from ..options import duration, non_negative_int
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Print the outbox's health figures (PENDING, DEAD, oldest PENDING age, SENT in the "
         "window) and the status x retry_count triage table. With thresholds, exit 1 when "
@@ -78,7 +79,10 @@ class Command(BaseCommand):
     ) -> None:
         database = outbox_db(database)
         try:
-            snapshot = stats.collect(window=since, using=database)
+            with database_errors("outbox_stats", database):
+                snapshot = stats.collect(window=since, using=database)
+        except CommandError:
+            raise
         except DatabaseError as exc:
             raise CommandError(
                 f"Cannot read the outbox table from database {database!r}: {exc}. Check that "

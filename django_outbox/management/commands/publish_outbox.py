@@ -1,4 +1,9 @@
-"""manage.py publish_outbox: the long-running relay (several replicas are safe)."""
+"""manage.py publish_outbox: the long-running relay (several replicas are safe).
+
+Exit codes: 0 stopped by a signal (``--once``: nothing failed); 1 a second signal
+(``--once``: some events failed); 2 misconfigured, the database unreachable at start
+(``--once``: at any point), or with ``--once`` the broker unreachable.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,21 @@ import threading
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from ...backends import get_backend
 from ...conf import outbox_settings
 from ...exceptions import OutboxError
+from ...models import outbox_db
 from ...relay import BrokerOutage, Relay
 from ...worker import configure_logging, stop_on_signals
+from ..errors import DatabaseCommand, database_errors
 from ..options import duration, port, positive_int
 
 logger = logging.getLogger("django_outbox.relay")
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Relay committed outbox events to the broker, marking them SENT only after the "
         "broker confirmed them. Runs until SIGTERM/SIGINT; --once drains what is due and exits."
@@ -89,7 +96,8 @@ class Command(BaseCommand):
 
         if once:
             try:
-                result = relay.run_once(max_events=max_events)
+                with database_errors("publish_outbox", outbox_db()):
+                    result = relay.run_once(max_events=max_events)
             except BrokerOutage as exc:
                 raise CommandError(f"The broker is unreachable: {exc}", returncode=2) from exc
             self.stdout.write(f"publish_outbox: {result.summary()}")

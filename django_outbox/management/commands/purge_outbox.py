@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 from django.utils.connection import ConnectionDoesNotExist
 
 from ...conf import outbox_settings
+from ...models import outbox_db
 from ...purge import RetentionTooShort, purge
+from ..errors import DatabaseCommand, database_errors
 from ..options import days, positive_int
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Delete SENT outbox rows older than the retention (OUTBOX_RETENTION_DAYS, 7) in "
         "batches; DEAD rows only with --include-dead. PENDING rows are never deleted."
@@ -65,14 +67,15 @@ class Command(BaseCommand):
         **options: Any,
     ) -> None:
         try:
-            result = purge(
-                older_than_days=older_than_days,
-                batch_size=batch_size,
-                include_dead=include_dead,
-                dry_run=dry_run,
-                force=force,
-                using=database,
-            )
+            with database_errors("purge_outbox", outbox_db(database)):
+                result = purge(
+                    older_than_days=older_than_days,
+                    batch_size=batch_size,
+                    include_dead=include_dead,
+                    dry_run=dry_run,
+                    force=force,
+                    using=database,
+                )
         except RetentionTooShort as exc:
             raise CommandError(str(exc), returncode=2) from exc
         except ValueError as exc:
@@ -88,8 +91,8 @@ class Command(BaseCommand):
             ) from exc
         except DatabaseError as exc:
             raise CommandError(
-                f"purge_outbox: the database is unreachable or failed ({exc}); nothing more "
-                "was deleted, run it again later.",
+                f"purge_outbox: the database failed ({' '.join(str(exc).split())}); nothing "
+                "more was deleted, run it again later.",
                 returncode=2,
             ) from exc
         self.stdout.write(result.summary())

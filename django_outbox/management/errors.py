@@ -1,0 +1,129 @@
+"""The one place the commands turn "the database is unreachable" into exit code 2.
+
+An unreachable database is an operations problem, not a failed event: a CronJob or a
+deployment gate must see exit 2 (a service is unreachable, like the broker-down path) and
+one line that names the database, never exit 1 and a hundred lines of driver traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+from urllib.parse import quote
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
+
+from ..masking import mask_url
+from ..models import outbox_db
+
+#: What drivers raise when a connection cannot be opened or is dropped (Django's wrappers).
+CONNECTION_ERRORS = (OperationalError, InterfaceError)
+
+_SCHEMES = {"postgresql": "postgres", "mysql": "mysql", "sqlite": "sqlite"}
+
+
+def describe(using: str) -> str:
+    """``'default' (postgres://app:***@db:5432/shop)``: the alias and where it points,
+    with the password masked."""
+    connection = connections[using]
+    conf = connection.settings_dict
+    name = str(conf.get("NAME") or "")
+    scheme = _SCHEMES.get(connection.vendor, connection.vendor)
+    if connection.vendor == "sqlite":
+        return f"{using!r} ({scheme}:///{name})"
+    auth = quote(str(conf.get("USER") or ""), safe="")
+    if conf.get("PASSWORD"):
+        auth += ":" + quote(str(conf["PASSWORD"]), safe="")
+    host = conf.get("HOST") or "localhost"
+    port = f":{conf['PORT']}" if conf.get("PORT") else ""
+    url = f"{scheme}://{auth + '@' if auth else ''}{host}{port}/{quote(name, safe='')}"
+    return f"{using!r} ({mask_url(url)})"
+
+
+def unreachable(command: str, using: str, exc: BaseException) -> CommandError:
+    # Drivers spread their message over lines (psycopg adds "Is the server running...");
+    # one line keeps a CronJob's log and an alert readable, and keeps the hint.
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return CommandError(
+        f"{command}: the database {describe(using)} is unreachable: {reason}", returncode=2
+    )
+
+
+def require_database(command: str, using: str) -> None:
+    """Connect to ``using`` now: exit 2 with one line if it cannot be reached.
+
+    An alias that is not in DATABASES is left to the command, which says so in its terms.
+    """
+    if using not in connections.settings:
+        return
+    try:
+        connections[using].ensure_connection()
+    except CONNECTION_ERRORS as exc:
+        raise unreachable(command, using, exc) from exc
+
+
+class DatabaseCommand(BaseCommand):
+    """A command whose work needs the database: it connects before anything else.
+
+    Before Django's system checks too, which open a connection on MySQL/MariaDB and would
+    end in a driver traceback and exit 1. A database down at start is most often a wrong
+    DATABASE_URL; the long-running commands ride out a later outage with backoff instead.
+    """
+
+    def databases_needed(self, options: dict[str, Any]) -> list[str]:
+        """The aliases this run will use; the outbox's (``--database`` if given)."""
+        return [outbox_db(options.get("database"))]
+
+    @property
+    def command_name(self) -> str:
+        return type(self).__module__.rpartition(".")[2]
+
+    def execute(self, *args: Any, **options: Any) -> str | None:
+        for using in self.databases_needed(options):
+            require_database(self.command_name, using)
+        return super().execute(*args, **options)  # type: ignore[no-any-return]
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        # Django's system checks connect to every database in DATABASES on MySQL/MariaDB
+        # (for --list and --database ALIAS too, which need no outbox connection).
+        try:
+            super().check(*args, **kwargs)
+        except CONNECTION_ERRORS:
+            for using in connections:
+                require_database(self.command_name, using)  # raises for the one down
+            raise
+
+
+def _answers(using: str) -> bool:
+    """Whether ``using`` answers ``SELECT 1``, on its connection or a new one."""
+    connection = connections[using]
+    for _attempt in range(2):
+        try:
+            connection.ensure_connection()
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+        except DatabaseError:
+            # A dead connection is not reused; the driver may refuse to close its socket.
+            with suppress(DatabaseError):
+                connection.close()
+        else:
+            return True
+    return False
+
+
+@contextmanager
+def database_errors(command: str, using: str) -> Iterator[None]:
+    """Around a command's work: the database going away mid-run exits 2 in one line.
+
+    A connection error is only "unreachable" when a new connection cannot be opened
+    either; a deadlock or a lock timeout (also ``OperationalError``) on a database that
+    answers propagates as the failure it is.
+    """
+    try:
+        yield
+    except CONNECTION_ERRORS as exc:
+        if _answers(using):
+            raise
+        raise unreachable(command, using, exc) from exc
