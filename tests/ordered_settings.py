@@ -4,10 +4,15 @@ The test passes the exchange and the lease through the environment; ``OUTBOX_ORD
 is read by the demo's settings, as from the shell.
 """
 
+import faulthandler
 import os
+import signal
 from typing import Any
 
 from tests.settings import *  # noqa: F403
+
+# A relay that goes quiet in a test shows where each of its threads is (Relays.dump_stacks).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 OUTBOX_BACKEND = "django_outbox.backends.pika.PikaBackend"
 OUTBOX_EXCHANGE = os.environ.get("ORDERED_TEST_EXCHANGE", "outbox")

@@ -101,7 +101,16 @@ class Relays:
         self.children[index].send_signal(sig)
 
     def output(self) -> str:
-        return "\n".join(f"--- relay {i}\n{p.read_text()[-3000:]}" for i, p in enumerate(self.logs))
+        return "\n".join(f"--- relay {i}\n{p.read_text()[-6000:]}" for i, p in enumerate(self.logs))
+
+    def dump_stacks(self) -> None:
+        """Each live relay writes its threads' stacks to its log (faulthandler on SIGUSR1,
+        registered by tests/ordered_settings.py): what a relay that went quiet is doing."""
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGCONT)
+                child.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
 
 
 @contextmanager
@@ -155,6 +164,7 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, group: 
             return
         time.sleep(0.2)
     counts = OutboxEvent.objects.status_counts()
+    group.dump_stacks()
     pytest.fail(f"timed out waiting for {what}; status counts {counts}\n{group.output()}")
 
 
@@ -348,9 +358,11 @@ def test_relay_frozen_past_its_lease_publishes_only_late_duplicates(broker, tmp_
             # others meanwhile ("taken over", whether its confirms came, timed out or its
             # connection was closed by the broker's heartbeat while it was frozen, and for
             # a batch it had claimed ahead and not published).
+            # Generous: on a loaded machine the frozen relay's broker connection may have been
+            # closed for missed heartbeats, which its resumed I/O loop has to notice first.
             wait_until(
                 lambda: "taken over by another relay" in frozen.output(),
-                timeout=60,
+                timeout=150,
                 what="the resumed relay's fenced settle",
                 group=frozen,
             )
