@@ -183,6 +183,7 @@ def test_manage_py_check_reports_it() -> None:
     assert "overrides publish(), but the relay never calls it" in error.msg
 
 
+@pytest.mark.django_db  # the command connects to the database before it builds the backend
 def test_publish_outbox_exits_2_with_the_fix() -> None:
     with (
         override_settings(OUTBOX_BACKEND=f"{HERE}.PublishOnBase"),
