@@ -30,13 +30,11 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.apps import apps
 from django.db import (
-    DatabaseError,
     IntegrityError,
     InterfaceError,
     OperationalError,
@@ -49,7 +47,7 @@ from django.utils.module_loading import import_string
 from django.utils.translation import gettext_lazy as _
 
 from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
-from .db import tidy_connections
+from .db import database_answers, tidy_connections
 from .exceptions import OutboxError, error_text
 from .message import ReceivedEvent, UndecodableMessage, decode
 from .worker import Backoff, keep_running
@@ -376,21 +374,6 @@ def connection_lost(exc: BaseException, connection: Any, opened: Any) -> bool:
         return not connection.is_usable()
     except Exception:  # a driver that cannot even tell
         return True
-
-
-def database_answers(using: str) -> bool:
-    """Open (or reuse) the connection ``using`` and run ``SELECT 1``; False if that fails."""
-    connection = connections[using]
-    try:
-        connection.ensure_connection()
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-    except DatabaseError:
-        # The driver may refuse to close a dead socket; Django forgets it anyway.
-        with suppress(DatabaseError):
-            connection.close()
-        return False
-    return True
 
 
 class _Duplicate(Exception):

@@ -139,3 +139,21 @@ def run_lock(name: str, using: str | None = None) -> Iterator[bool]:
             # The connection may be gone by now (then so is the lock).
             with suppress(DatabaseError), connection.cursor() as cursor:
                 cursor.execute(*release)
+
+
+def database_answers(using: str, *, attempts: int = 1) -> bool:
+    """Whether the database ``using`` answers ``SELECT 1``: on its current connection, then
+    (``attempts`` > 1) on a new one. A connection that fails is closed, so the next try
+    opens a fresh one; the driver may refuse to close a dead socket, Django forgets it."""
+    connection = connections[using]
+    for _attempt in range(attempts):
+        try:
+            connection.ensure_connection()
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+        except DatabaseError:
+            with suppress(DatabaseError):
+                connection.close()
+        else:
+            return True
+    return False

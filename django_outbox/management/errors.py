@@ -8,13 +8,14 @@ one line that names the database, never exit 1 and a hundred lines of driver tra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.db import InterfaceError, OperationalError, connections
 
+from ..db import database_answers
 from ..masking import mask_url
 from ..models import outbox_db
 
@@ -96,23 +97,6 @@ class DatabaseCommand(BaseCommand):
             raise
 
 
-def _answers(using: str) -> bool:
-    """Whether ``using`` answers ``SELECT 1``, on its connection or a new one."""
-    connection = connections[using]
-    for _attempt in range(2):
-        try:
-            connection.ensure_connection()
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1")
-        except DatabaseError:
-            # A dead connection is not reused; the driver may refuse to close its socket.
-            with suppress(DatabaseError):
-                connection.close()
-        else:
-            return True
-    return False
-
-
 @contextmanager
 def database_errors(command: str, using: str) -> Iterator[None]:
     """Around a command's work: the database going away mid-run exits 2 in one line.
@@ -124,6 +108,7 @@ def database_errors(command: str, using: str) -> Iterator[None]:
     try:
         yield
     except CONNECTION_ERRORS as exc:
-        if _answers(using):
+        # On the connection that failed, then on a new one.
+        if database_answers(using, attempts=2):
             raise
         raise unreachable(command, using, exc) from exc
