@@ -157,7 +157,10 @@ def decode(
             f"{CONTENT_TYPE}"
         )
     try:
-        payload = json.loads(body)
+        # UTF-8 only (RFC 8259 for JSON between systems; the relay writes UTF-8): given
+        # bytes, json.loads would guess UTF-16 or UTF-32 from NUL bytes and take b"\x002"
+        # for the number 2.
+        payload = json.loads(body.decode("utf-8") if isinstance(body, bytes) else body)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         # RecursionError: a body nested deeper than the interpreter's recursion limit.
         raise UndecodableMessage(

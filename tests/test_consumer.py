@@ -207,6 +207,9 @@ MALFORMED = {
     "aggregate_type too long": ({"aggregate_type": "A" * 65}, b"{}", "aggregate_type"),
     "body nested 100,000 deep": ({}, b"[" * 100_000 + b"]" * 100_000, "RecursionError"),
     "body not UTF-8": ({}, b'{"a": "\xff"}', "not JSON"),
+    # json.loads(bytes) would read these as UTF-16 / UTF-32: the number 2 and {}.
+    "body in UTF-16": ({}, b"\x002", "not JSON"),
+    "body in UTF-32": ({}, "{}".encode("utf-32-le"), "not JSON"),
 }
 
 
