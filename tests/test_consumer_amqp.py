@@ -314,7 +314,11 @@ def test_reconnects_after_the_connection_is_lost(broker):
         thread.join(timeout=30)
     finally:
         proxy.close()
-    assert results[0].counts[Outcome.PROCESSED] == 2
+    # The first message's ack may be what the cut lost: then it comes back after the
+    # reconnect and is absorbed as a duplicate. Either way each event was handled once.
+    counts = results[0].counts
+    assert (counts[Outcome.PROCESSED], counts[Outcome.DUPLICATE]) in {(2, 0), (1, 1)}
+    assert PointsLedger.objects.count() == 2
     assert broker.count(broker.queue) == 0
 
 
