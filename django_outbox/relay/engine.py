@@ -37,6 +37,7 @@ from ..backends import get_backend
 from ..backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
 from ..conf import outbox_settings
 from ..db import tidy_connections
+from ..exceptions import error_text
 from ..models import OutboxEvent, Status, outbox_db
 from ..querysets import OutboxEventQuerySet
 from ..retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
@@ -408,7 +409,7 @@ class Relay:
                 len(batch.rows),
                 exc_info=exc,
             )
-            failure = PublishResult.failed(Reason.ERROR, f"{type(exc).__name__}: {exc}")
+            failure = PublishResult.failed(Reason.ERROR, error_text(exc))
             return [failure] * len(batch.rows)
 
     def _ensure_open(self) -> None:
