@@ -21,7 +21,7 @@ nothing that another relay has claimed or settled since.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -376,28 +376,43 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
     def delete_in_batches(self, batch_size: int) -> tuple[int, int]:
         """Delete the rows of this queryset, ``batch_size`` at a time, each batch in its own
         short transaction. Returns (rows deleted, batches)."""
-        deleted = batches = 0
+        # Nothing references outbox rows, so each batch is one DELETE of its ids.
+        return self._in_batches(batch_size, lambda batch: batch.delete()[0])
+
+    def _in_batches(
+        self,
+        batch_size: int,
+        change: Callable[[OutboxEventQuerySet], int],
+        limit: int | None = None,
+    ) -> tuple[int, int]:
+        """Apply ``change`` to the rows of this queryset, oldest first, ``batch_size`` (and
+        at most ``limit`` in all) at a time, each batch in its own short transaction, so a
+        bulk operation never holds many row locks for long. ``change`` gets this queryset
+        narrowed to the batch's ids and returns how many rows it changed. Returns (rows
+        changed, batches)."""
+        changed = batches = 0
         last_id = 0
-        while True:
+        remaining = limit
+        while remaining is None or remaining > 0:
+            size = batch_size if remaining is None else min(batch_size, remaining)
             with transaction.atomic(using=self.db):
                 # Walking up the id keeps every SELECT a short range scan, even if a row of
-                # the previous batch could not be deleted; this queryset's filter is checked
-                # again by the DELETE, so a row that changed state meanwhile is left alone.
+                # the previous batch could not be changed; this queryset's filter is checked
+                # again by the change, so a row whose state moved meanwhile is left alone.
                 ids = list(
-                    self.filter(pk__gt=last_id)
-                    .order_by("pk")
-                    .values_list("pk", flat=True)[:batch_size]
+                    self.filter(pk__gt=last_id).order_by("pk").values_list("pk", flat=True)[:size]
                 )
                 if not ids:
                     break
-                # Nothing references outbox rows, so this is one DELETE of these ids.
-                count, _ = self.with_ids(ids).delete()
+                count = change(self.with_ids(ids))
             batches += 1
-            deleted += count
+            changed += count
             last_id = ids[-1]
-            if len(ids) < batch_size:
+            if remaining is not None:
+                remaining -= len(ids)
+            if len(ids) < size:
                 break
-        return deleted, batches
+        return changed, batches
 
     def status_counts(self) -> dict[int, int]:
         rows: Any = self.order_by().values_list("status").annotate(n=models.Count("id"))
