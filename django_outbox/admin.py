@@ -141,6 +141,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     ("aggregate_type", "aggregate_id"),
                     "status_badge",
                     "retry_count",
+                    "replay_count",
                     "next_retry_time",
                     "last_error_block",
                 )

@@ -13,6 +13,10 @@ A message carries the payload as its JSON body and everything else in AMQP prope
 ``previous_sequence``  ordered mode only: the ``sequence`` of the aggregate's previous
                     event that was published (0 when there is none): a consumer that
                     has not processed it yet knows this event came early
+``x-outbox-replay``  replays only: how many times the event was published again
+                    after it had been sent (``outbox_requeue --status sent``); a
+                    replay keeps its ``message_id``, so a consumer that still has the
+                    event in its inbox takes it as a duplicate
 =================  ===========================================================
 
 Nor may they use the names the broker and the consumer count deliveries in
@@ -50,6 +54,8 @@ RESERVED_HEADERS = frozenset(
 #: name in this package's x-outbox- namespace.
 DELIVERY_HEADERS = frozenset({"x-delivery-count", "x-death"})
 DELIVERY_HEADER_PREFIXES = ("x-outbox-", "x-first-death-", "x-last-death-")
+#: Set by the relay on a replayed event: how many times it was replayed (1 for the first).
+REPLAY_HEADER = "x-outbox-replay"
 
 
 def is_reserved_header(name: str) -> bool:
@@ -83,6 +89,9 @@ def encode_headers(event: OutboxEvent) -> dict[str, Any]:
     previous = getattr(event, "previous_sequence", None)
     if previous is not None:
         headers["previous_sequence"] = previous
+    # getattr: a row built by hand (a test, a custom backend) may not carry the column.
+    if getattr(event, "replay_count", 0):
+        headers[REPLAY_HEADER] = event.replay_count
     return headers
 
 
@@ -116,6 +125,9 @@ class ReceivedEvent:
     previous_sequence: int | None = None
     headers: Mapping[str, Any] = field(default_factory=dict)
     redelivered: bool = False
+    #: How many times the producer replayed this event after it had been sent (0: never;
+    #: the ``x-outbox-replay`` header). A replay keeps its ``event_id``.
+    replay: int = 0
 
 
 class UndecodableMessage(ValueError):
@@ -207,8 +219,9 @@ def _received(
             f"message {_shown(event_id)}: headers are a {type(headers).__name__}, not a table"
         )
     headers = dict(headers or {})
-    own = {k: v for k, v in headers.items() if k not in RESERVED_HEADERS}
+    own = {k: v for k, v in headers.items() if k not in RESERVED_HEADERS and k != REPLAY_HEADER}
     attempt = _integer(headers, "attempt", 1, event_id)
+    replay = _integer(headers, REPLAY_HEADER, 1, event_id)
     return ReceivedEvent(
         event_id=event_id,
         event_type=_text(message_type, "type", MAX_EVENT_TYPE_LENGTH, event_id),
@@ -225,6 +238,7 @@ def _received(
         previous_sequence=_integer(headers, "previous_sequence", 0, event_id),
         headers=own,
         redelivered=redelivered,
+        replay=replay or 0,
     )
 
 

@@ -31,6 +31,19 @@ class OutboxEvent(models.Model):
         _("status"), choices=Status.choices, default=Status.PENDING
     )
     retry_count = models.PositiveIntegerField(_("retry count"), default=0)
+    # An IntegerField: a PositiveIntegerField's CHECK would make adding the column scan
+    # the whole table under an exclusive lock (PostgreSQL validates it on ADD COLUMN).
+    replay_count = models.IntegerField(
+        _("replay count"),
+        default=0,
+        # Kept in the schema too: during a rolling upgrade the previous release's emit()
+        # inserts rows without this column.
+        db_default=0,
+        help_text=_(
+            "How many times the event was replayed after it had been sent "
+            "(manage.py outbox_requeue --status sent); sent as the x-outbox-replay header."
+        ),
+    )
     next_retry_time = models.DateTimeField(
         _("next retry time"),
         help_text=_("When the row is next due; while a relay holds it, the end of its lease."),

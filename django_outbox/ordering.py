@@ -135,8 +135,12 @@ def heads_only(
     the heads come from the statement's snapshot while the candidate rows may be newer (on
     MySQL/MariaDB a locking read sees the latest committed version): a row committed after
     the snapshot is not among the heads, so it waits for the next claim. A row that was a
-    head in the snapshot is still one: rows never become unsent again (except a requeued
-    DEAD row under the "skip" policy, which is the point of that policy).
+    head in the snapshot is still one: rows never become unsent again, except a requeued
+    DEAD row under the "skip" policy (the point of that policy) and a replayed SENT row
+    (``requeue(replay=True)``). A replay committed after the snapshot is not yet a head
+    either, so a later row of its aggregate may be claimed in the same statement: the
+    replay's copy then goes out after that row's first delivery (docs/ordered.md,
+    "Requeue and replay").
     """
     ordered = current_ordered() if ordered is None else ordered
     q = ordered_q(ordered)

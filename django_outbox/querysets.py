@@ -3,14 +3,16 @@
 Reading: ``pending()``, ``due()``, ``stale()``, ``dead()``, ``blocked_aggregates()`` ...
 
 Writing: every transition of an outbox row is a method here, and no other module writes
-``status``, ``next_retry_time``, ``retry_count``, ``lease_token`` or ``last_error``::
+``status``, ``next_retry_time``, ``retry_count``, ``replay_count``, ``lease_token`` or
+``last_error``::
 
     emit()            claim()                    mark_sent()
     ─────> PENDING ──────────> PENDING, leased ─────────────> SENT ──delete_in_batches()──>
             ^   ^                  │       │
             │   └─── release() ────┘       └─ mark_failed() ─> PENDING, due after a backoff,
             │                                                  or DEAD past the last one
-            └──── requeue() ──── DEAD <── mark_dead() ── PENDING
+            ├──── requeue() ──── DEAD <── mark_dead() ── PENDING
+            └──── requeue(replay=True) ──── SENT (published again, same event_id)
 
 Each one stamps ``updated_at`` from the database clock. The transitions of a claimed row
 (``mark_sent``, ``mark_failed``, ``release``) are *fenced* on the claim's lease token
@@ -51,6 +53,7 @@ CLAIM_FIELDS = (
     "occurred_at",
     "created_at",
     "retry_count",
+    "replay_count",
     "status",
     "lease_token",
 )
@@ -344,25 +347,50 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             changes["last_error"] = error_text(error)
         return self.held_by(token).with_ids(ids).update(**changes)
 
-    def requeue(self) -> int:
-        """DEAD and PENDING rows of this queryset: due now, ``retry_count`` 0, no lease.
+    def requeue(self, *, replay: bool = False) -> int:
+        """DEAD and PENDING rows of this queryset (and SENT ones with ``replay``): due now,
+        ``retry_count`` 0, no lease.
 
         ``last_error`` is kept, so the reason a row died stays visible until its next
         attempt. Clearing the lease of a row a relay is publishing right now fences that
-        relay's settle: the row is published again, a duplicate consumers absorb. SENT rows
-        are left alone. Returns how many rows changed.
+        relay's settle: the row is published again, a duplicate consumers absorb (leave
+        those out with :meth:`exclude_in_flight`). SENT rows are left alone unless
+        ``replay``: then they are published again with the same ``event_id``, and their
+        ``replay_count`` goes up by one (the relay sends it as the ``x-outbox-replay``
+        header); ``sent_at`` keeps the last delivery's time until the next one. Returns how
+        many rows changed.
         """
-        return (
-            self.order_by()
-            .filter(status__in=[Status.PENDING, Status.DEAD])
-            .update(
-                status=Status.PENDING,
-                next_retry_time=DbNow(),
-                retry_count=0,
-                lease_token="",
-                updated_at=DbNow(),
+        statuses = [Status.PENDING, Status.DEAD, *([Status.SENT] if replay else [])]
+        changes: dict[str, Any] = {}
+        if replay:
+            # First: MySQL/MariaDB evaluate SET assignments left to right, so this must
+            # read the status before it is set to PENDING below.
+            changes["replay_count"] = models.Case(
+                models.When(status=Status.SENT, then=models.F("replay_count") + 1),
+                default=models.F("replay_count"),
             )
+        changes.update(
+            status=Status.PENDING,
+            next_retry_time=DbNow(),
+            retry_count=0,
+            lease_token="",
+            updated_at=DbNow(),
         )
+        return self.order_by().filter(status__in=statuses).update(**changes)
+
+    def requeue_in_batches(
+        self, batch_size: int, *, limit: int | None = None, replay: bool = False
+    ) -> tuple[int, int]:
+        """:meth:`requeue` the rows of this queryset, oldest first, ``batch_size`` at a
+        time, each batch in its own short transaction (no long lock on the table, and the
+        relay starts on the first batch while the next is requeued), at most ``limit`` in
+        all. Returns (rows changed, batches)."""
+        return self._in_batches(batch_size, lambda batch: batch.requeue(replay=replay), limit)
+
+    def exclude_in_flight(self) -> OutboxEventQuerySet:
+        """This queryset without the PENDING rows a relay is publishing right now (claimed,
+        lease not yet run out): requeueing those would publish them twice."""
+        return self.exclude(status=Status.PENDING, next_retry_time__gt=DbNow(), lease_token__gt="")
 
     def mark_dead(self) -> int:
         """PENDING rows of this queryset: DEAD, so no relay publishes them. Returns how many

@@ -24,6 +24,7 @@ COMMANDS = [
     ["publish_outbox"],  # long-running: a database down at start is exit 2, not a backoff
     ["compensate_outbox"],
     ["purge_outbox"],
+    ["outbox_requeue", "--dry-run"],
     ["outbox_stats"],
     ["outbox_stats", "--json", "--database", "default"],
     ["consume_outbox", "--once"],

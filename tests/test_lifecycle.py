@@ -23,7 +23,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 HOUR = 3600.0
 PACKAGE = Path(__file__).resolve().parent.parent / "django_outbox"
 #: The columns only the lifecycle methods may write.
-LIFECYCLE_COLUMNS = {"status", "next_retry_time", "retry_count", "lease_token", "last_error"}
+LIFECYCLE_COLUMNS = {
+    "status",
+    "next_retry_time",
+    "retry_count",
+    "replay_count",
+    "lease_token",
+    "last_error",
+}
 
 
 def old_row(**fields) -> OutboxEvent:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from datetime import datetime, timedelta
+
+from django.utils.dateparse import parse_datetime
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -69,3 +72,20 @@ def port(value: str) -> int:
     if number > 65535:
         raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (0-65535)")
     return number
+
+
+def moment(value: str) -> datetime | timedelta:
+    """A point in time: ISO 8601 (``2026-12-03T10:00Z``, ``2026-12-03 18:00+08:00``) or a
+    :func:`duration` ago (``6h``, ``2d``), which the caller measures by the database clock."""
+    if _DURATION.match(value):
+        return timedelta(seconds=duration(value))
+    try:
+        parsed = parse_datetime(value.strip())
+    except ValueError:  # well formed but not a date: 2026-13-45
+        parsed = None
+    if parsed is None:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a date and time (2026-12-03T10:00Z, 2026-12-03 "
+            "18:00+08:00) nor a duration ago (30m, 6h, 2d)"
+        )
+    return parsed
