@@ -6,6 +6,10 @@ find the dead letters, fix the cause, then *requeue* them or *mark* hopeless PEN
 DEAD. Both actions need the model's change permission; without it a user sees no actions
 and a crafted POST is refused by Django's own action validation.
 
+The dashboard offers "requeue all N" for each event type among the dead letters and each
+failure reason, through a confirmation page (change permission, CSRF) that runs
+:func:`django_outbox.requeue.requeue`, as ``manage.py outbox_requeue`` does.
+
 The actions call the outbox QuerySet's lifecycle methods
 (:meth:`~django_outbox.querysets.OutboxEventQuerySet.requeue` and
 :meth:`~django_outbox.querysets.OutboxEventQuerySet.mark_dead`), which say exactly what each
@@ -15,20 +19,22 @@ changes; the admin writes no row state itself.
 from __future__ import annotations
 
 import json
+import shlex
 from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import ordering, stats
+from . import ordering, requeue, stats
+from .backends.base import Reason
 from .conf import outbox_settings
 from .db import DbNow
 from .models import OutboxEvent, Status
@@ -300,7 +306,12 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             self.admin_site.admin_view(self.dashboard_view),
             name="django_outbox_outboxevent_dashboard",
         )
-        return [dashboard, *super().get_urls()]
+        requeue_all = path(
+            "dashboard/requeue/",
+            self.admin_site.admin_view(self.requeue_view),
+            name="django_outbox_outboxevent_requeue",
+        )
+        return [dashboard, requeue_all, *super().get_urls()]
 
     def dashboard_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_or_change_permission(request):
@@ -338,8 +349,90 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 for b in snapshot.blocked
             ],
         }
+        context.update(self._requeue_all_context(request))
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.dashboard_template, context)
+
+    # --- "requeue all N" from the dashboard (the same as manage.py outbox_requeue) -----
+
+    requeue_template = "admin/django_outbox/outboxevent/requeue_confirmation.html"
+
+    def _requeue_all_context(self, request: HttpRequest) -> dict[str, Any]:
+        """The dashboard's dead letters by reason, and whether to offer "requeue all"."""
+        return {
+            "dead_reasons": stats.dead_reasons(),
+            "can_requeue": self.has_change_permission(request),
+            "requeue_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_requeue"),
+        }
+
+    def requeue_view(self, request: HttpRequest) -> HttpResponse:
+        """Requeue every dead letter of one event type or one failure reason.
+
+        GET shows how many and the first of them; the POST of that page (CSRF-protected by
+        ``admin_view``) requeues them through :func:`django_outbox.requeue.requeue`, as
+        ``manage.py outbox_requeue`` does. Both need the change permission: a crafted POST
+        without it is refused before anything is read.
+        """
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        dashboard = reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard")
+        params = request.POST if request.method == "POST" else request.GET
+        try:
+            selection, command = requeue_all_selection(params)
+        except ValueError as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return HttpResponseRedirect(dashboard)
+        if request.method == "POST":
+            result = requeue.requeue(selection)
+            self.message_user(
+                request,
+                ngettext(
+                    "%(count)d dead event requeued (%(filters)s): it is due now and the "
+                    "relay will publish it.",
+                    "%(count)d dead events requeued (%(filters)s): they are due now and the "
+                    "relay will publish them.",
+                    result.changed,
+                )
+                % {"count": result.changed, "filters": selection.describe()},
+                messages.SUCCESS if result.changed else messages.WARNING,
+            )
+            return HttpResponseRedirect(dashboard)
+        preview = requeue.requeue(selection, dry_run=True)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": _("Requeue dead letters"),
+            "opts": self.model._meta,
+            "app_label": self.model._meta.app_label,
+            "count": preview.changed,
+            "filters": selection.describe(),
+            "sample": preview.sample,
+            "params": [(k, params[k]) for k in ("event_type", "reason") if params.get(k)],
+            "command": command,
+            "dashboard_url": dashboard,
+            "changelist_url": reverse(
+                f"{self.admin_site.name}:django_outbox_outboxevent_changelist"
+            ),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.requeue_template, context)
+
+
+def requeue_all_selection(params: Any) -> tuple[requeue.Selection, str]:
+    """The dead letters a "requeue all" link names (``event_type`` or a failure ``reason``,
+    exactly one), and the ``outbox_requeue`` command line that selects the same."""
+    event_type = params.get("event_type", "")
+    reason = params.get("reason", "")
+    if bool(event_type) == bool(reason):
+        raise ValueError(_("Name either an event type or a failure reason to requeue."))
+    if event_type:
+        selection = requeue.Selection(event_types=(event_type,))
+        option = f"--event-type {shlex.quote(event_type)}"
+    else:
+        if reason not in {r.value for r in Reason}:
+            raise ValueError(_("Unknown failure reason %(reason)r.") % {"reason": reason})
+        selection = requeue.Selection(error_contains=f"[{reason}]")
+        option = f"--error-contains {shlex.quote(f'[{reason}]')}"
+    return selection, f"python manage.py outbox_requeue {option}"
 
 
 def _pretty(value: Any) -> str:

@@ -34,12 +34,13 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connections
-from django.db.models import Count, Min, Q
+from django.db.models import Case, CharField, Count, Min, Q, Value, When
 from django.db.models.functions import TruncMinute
 from django.db.models.sql import Query
 from django.utils import timezone as django_timezone
 
 from . import ordering
+from .backends.base import Reason
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
 
@@ -455,3 +456,47 @@ def _per_minute(queryset: Any, column: str) -> dict[datetime, int]:
         .order_by()
     )
     return {_normal(minute): n for minute, n in rows}
+
+
+# -- dead letters by failure reason (the admin dashboard) --------------------------------------
+@dataclass(frozen=True)
+class DeadReason:
+    """DEAD rows whose last attempt failed for one reason (``[unroutable] ...``)."""
+
+    #: A :class:`~django_outbox.backends.base.Reason` value; "" for any other last_error.
+    reason: str
+    count: int
+    #: The ``last_error`` of the most recently created of them.
+    last_error: str
+
+    @property
+    def marker(self) -> str:
+        """What ``last_error`` starts with for this reason (what a requeue selects on)."""
+        return f"[{self.reason}]" if self.reason else ""
+
+
+def dead_reasons(using: str | None = None) -> list[DeadReason]:
+    """DEAD rows grouped by the reason of their last failed attempt, most first.
+
+    The relay records each failure as ``[reason] error`` (``relay.engine``); a row marked
+    dead by hand, or a last_error written otherwise, counts under reason "". One grouped
+    query over the DEAD rows, then one per reason found for its latest error, read
+    backwards along ``(status, created_at)``: it stops at the first row of that reason.
+    """
+    dead = OutboxEvent.objects.using(outbox_db(using)).filter(status=Status.DEAD).order_by()
+    reason = Case(
+        *[When(last_error__startswith=f"[{r.value}]", then=Value(r.value)) for r in Reason],
+        default=Value(""),
+        output_field=CharField(),
+    )
+    by_reason = dead.annotate(reason=reason)
+    counts = by_reason.values_list("reason").annotate(n=Count("id")).order_by()
+    result = []
+    for value, n in sorted(counts, key=lambda row: (-row[1], row[0] == "", row[0])):
+        latest = (
+            by_reason.filter(reason=value)
+            .order_by("-created_at", "-id")
+            .values_list("last_error", flat=True)[:1]
+        )
+        result.append(DeadReason(reason=value, count=n, last_error=next(iter(latest), "")))
+    return result
