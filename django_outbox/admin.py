@@ -360,7 +360,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def _requeue_all_context(self, request: HttpRequest) -> dict[str, Any]:
         """The dashboard's dead letters by reason, and whether to offer "requeue all"."""
         return {
-            "dead_reasons": stats.dead_reasons(),
+            "dead_reasons": stats.dead_reasons([r.value for r in Reason]),
             "can_requeue": self.has_change_permission(request),
             "requeue_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_requeue"),
         }

@@ -40,7 +40,6 @@ from django.db.models.sql import Query
 from django.utils import timezone as django_timezone
 
 from . import ordering
-from .backends.base import Reason
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
 
@@ -475,17 +474,19 @@ class DeadReason:
         return f"[{self.reason}]" if self.reason else ""
 
 
-def dead_reasons(using: str | None = None) -> list[DeadReason]:
+def dead_reasons(reasons: Sequence[str], using: str | None = None) -> list[DeadReason]:
     """DEAD rows grouped by the reason of their last failed attempt, most first.
 
-    The relay records each failure as ``[reason] error`` (``relay.engine``); a row marked
-    dead by hand, or a last_error written otherwise, counts under reason "". One grouped
+    The relay records each failure as ``[reason] error`` (``relay.engine``; ``reasons`` are
+    the :class:`~django_outbox.backends.base.Reason` values, passed in because the figures
+    do not import the backends); a row marked dead by hand, or a last_error written
+    otherwise, counts under reason "". One grouped
     query over the DEAD rows, then one per reason found for its latest error, read
     backwards along ``(status, created_at)``: it stops at the first row of that reason.
     """
     dead = OutboxEvent.objects.using(outbox_db(using)).filter(status=Status.DEAD).order_by()
     reason = Case(
-        *[When(last_error__startswith=f"[{r.value}]", then=Value(r.value)) for r in Reason],
+        *[When(last_error__startswith=f"[{r}]", then=Value(r)) for r in reasons],
         default=Value(""),
         output_field=CharField(),
     )

@@ -8,6 +8,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.urls import reverse
 
+from django_outbox.backends.base import Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.stats import DeadReason, dead_reasons
 from tests.utils.rows import make_events
@@ -58,7 +59,7 @@ def statuses(rows: list[OutboxEvent]) -> list[int]:
 
 
 def test_dead_letters_are_grouped_by_the_reason_of_their_last_failure(dead_letters):
-    assert dead_reasons() == [
+    assert dead_reasons([r.value for r in Reason]) == [
         DeadReason("nacked", 2, "[nacked] full again"),  # the most recently created
         DeadReason("unroutable", 1, "[unroutable] NO_ROUTE"),
         DeadReason("", 1, "marked by hand"),  # any other last_error: last among equals
