@@ -13,7 +13,8 @@ from typing import Any
 from urllib.parse import quote
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import InterfaceError, OperationalError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.utils.connection import ConnectionDoesNotExist
 
 from ..db import database_answers
 from ..masking import mask_url
@@ -112,3 +113,23 @@ def database_errors(command: str, using: str) -> Iterator[None]:
         if database_answers(using, attempts=2):
             raise
         raise unreachable(command, using, exc) from exc
+
+
+@contextmanager
+def database_work(command: str, using: str, *, unfinished: str) -> Iterator[None]:
+    """:func:`database_errors` for a command that changes rows in batches, which also
+    exits 2 in one line for an alias not in DATABASES and for a statement that failed on a
+    database that answers; ``unfinished`` says what such a failure leaves behind (the
+    batches before it are committed)."""
+    try:
+        with database_errors(command, using):
+            yield
+    except ConnectionDoesNotExist as exc:
+        raise CommandError(
+            f"{command}: {exc}; pass an alias from DATABASES.", returncode=2
+        ) from exc
+    except DatabaseError as exc:
+        raise CommandError(
+            f"{command}: the database failed ({' '.join(str(exc).split())}); {unfinished}.",
+            returncode=2,
+        ) from exc

@@ -10,12 +10,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DatabaseError
-from django.utils.connection import ConnectionDoesNotExist
 
 from ...models import outbox_db
 from ...requeue import DEFAULT_BATCH_SIZE, STATUSES, Selection, requeue
-from ..errors import DatabaseCommand, database_errors
+from ..errors import DatabaseCommand, database_work
 from ..options import moment, positive_int
 
 
@@ -108,7 +106,11 @@ class Command(DatabaseCommand):
             until=until,
         )
         try:
-            with database_errors("outbox_requeue", outbox_db(database)):
+            with database_work(
+                "outbox_requeue",
+                outbox_db(database),
+                unfinished="batches already requeued stay so, run it again for the rest",
+            ):
                 result = requeue(
                     selection,
                     limit=limit,
@@ -118,16 +120,6 @@ class Command(DatabaseCommand):
                 )
         except ValueError as exc:
             raise CommandError(f"outbox_requeue: {exc}.", returncode=2) from exc
-        except ConnectionDoesNotExist as exc:
-            raise CommandError(
-                f"outbox_requeue: {exc}; pass an alias from DATABASES.", returncode=2
-            ) from exc
-        except DatabaseError as exc:
-            raise CommandError(
-                f"outbox_requeue: the database failed ({' '.join(str(exc).split())}); batches "
-                "already requeued stay so, run it again for the rest.",
-                returncode=2,
-            ) from exc
         self.stdout.write(result.summary())
         if result.sample:
             self.stdout.write(f"the first {len(result.sample)}, oldest first:")

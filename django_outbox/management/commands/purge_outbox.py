@@ -9,13 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DatabaseError
-from django.utils.connection import ConnectionDoesNotExist
 
 from ...conf import outbox_settings
 from ...models import outbox_db
 from ...purge import RetentionTooShort, purge
-from ..errors import DatabaseCommand, database_errors
+from ..errors import DatabaseCommand, database_work
 from ..options import days, positive_int
 
 
@@ -67,7 +65,11 @@ class Command(DatabaseCommand):
         **options: Any,
     ) -> None:
         try:
-            with database_errors("purge_outbox", outbox_db(database)):
+            with database_work(
+                "purge_outbox",
+                outbox_db(database),
+                unfinished="nothing more was deleted, run it again later",
+            ):
                 result = purge(
                     older_than_days=older_than_days,
                     batch_size=batch_size,
@@ -83,16 +85,6 @@ class Command(DatabaseCommand):
                 f"{exc} Check OUTBOX_RETENTION_DAYS and OUTBOX_PURGE_BATCH_SIZE "
                 f"(now {outbox_settings.RETENTION_DAYS!r}, "
                 f"{outbox_settings.PURGE_BATCH_SIZE!r}).",
-                returncode=2,
-            ) from exc
-        except ConnectionDoesNotExist as exc:
-            raise CommandError(
-                f"purge_outbox: {exc}; pass an alias from DATABASES.", returncode=2
-            ) from exc
-        except DatabaseError as exc:
-            raise CommandError(
-                f"purge_outbox: the database failed ({' '.join(str(exc).split())}); nothing "
-                "more was deleted, run it again later.",
                 returncode=2,
             ) from exc
         self.stdout.write(result.summary())
