@@ -14,12 +14,14 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_outbox.backends import locmem
+from django_outbox.backends.pika import PikaBackend
 from django_outbox.consumer import Dispatcher, Outcome, process_messages
 from django_outbox.message import REPLAY_HEADER, decode
 from django_outbox.models import InboxMessage, OutboxEvent, Status
 from django_outbox.requeue import Selection, requeue
 from django_outbox.stats import db_now
 from points.models import PointsLedger
+from tests.utils.amqp import make_consumer
 from tests.utils.relay import make_relay
 from tests.utils.rows import make_events
 
@@ -333,3 +335,31 @@ def test_ordered_redrive_of_a_dead_head_resumes_its_aggregate_in_order(settings)
     )
     make_relay().drain()
     assert [m.headers["sequence"] for m in locmem.outbox] == [head.pk, nxt.pk]
+
+
+# -- over RabbitMQ -----------------------------------------------------------------------------
+@pytest.mark.amqp
+def test_a_replay_through_rabbitmq_is_a_duplicate_for_a_consumer_that_has_it(broker):
+    """The header survives AMQP's encoding and the consumer's inbox absorbs the replay."""
+    consumer = make_consumer(broker, handlers=["tests.consumer_handlers.InboxPointsHandler"])
+    watch = broker.declare_queue("#")  # a copy of everything the relay publishes
+    (event,) = make_events({"payload": {"order_id": 1}})
+
+    def relay() -> None:
+        relay = make_relay(backend=PikaBackend(broker_url=broker.url, exchange=broker.exchange))
+        try:
+            assert relay.drain().sent == 1
+        finally:
+            relay.close()
+
+    relay()
+    assert consumer.run(until_idle=True).counts[Outcome.PROCESSED] == 1
+    run("--status", "sent")
+    relay()
+    counts = consumer.run(until_idle=True).counts
+    assert (counts[Outcome.DUPLICATE], counts[Outcome.PROCESSED]) == (1, 0)
+    assert PointsLedger.objects.count() == 1
+    first, replay = broker.get_all(watch, 2)
+    assert first[1].message_id == replay[1].message_id == event.event_id
+    assert REPLAY_HEADER not in first[1].headers
+    assert replay[1].headers[REPLAY_HEADER] == 1
