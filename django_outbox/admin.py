@@ -349,7 +349,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 for b in snapshot.blocked
             ],
         }
-        context.update(self._requeue_all_context(request))
+        context.update(self._requeue_all_context(request, snapshot))
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.dashboard_template, context)
 
@@ -357,10 +357,13 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     requeue_template = "admin/django_outbox/outboxevent/requeue_confirmation.html"
 
-    def _requeue_all_context(self, request: HttpRequest) -> dict[str, Any]:
+    def _requeue_all_context(
+        self, request: HttpRequest, snapshot: stats.OutboxStats
+    ) -> dict[str, Any]:
         """The dashboard's dead letters by reason, and whether to offer "requeue all"."""
+        reasons = [r.value for r in Reason]
         return {
-            "dead_reasons": stats.dead_reasons([r.value for r in Reason]),
+            "dead_reasons": stats.dead_reasons(reasons) if snapshot.dead else [],
             "can_requeue": self.has_change_permission(request),
             "requeue_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_requeue"),
         }

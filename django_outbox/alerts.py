@@ -178,7 +178,8 @@ class EmailChannel(BaseChannel):
         shown, more = split_rows(dead, self.max_rows)
         lines = [
             f"{headline(dead)}. They will not be retried until someone requeues them",
-            "(admin action 'requeue', or see docs/operations.md).",
+            "(the admin dashboard's 'requeue all', manage.py outbox_requeue, or see "
+            "docs/operations.md).",
             "",
         ]
         for d in shown:
