@@ -4,6 +4,7 @@ manage.py outbox_requeue, on the real database DATABASE_URL names (issue 17, ite
 from __future__ import annotations
 
 from datetime import timedelta
+from datetime import timezone as dt_timezone
 from io import StringIO
 
 import pytest
@@ -363,3 +364,20 @@ def test_a_replay_through_rabbitmq_is_a_duplicate_for_a_consumer_that_has_it(bro
     assert first[1].message_id == replay[1].message_id == event.event_id
     assert REPLAY_HEADER not in first[1].headers
     assert replay[1].headers[REPLAY_HEADER] == 1
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Asia/Shanghai"])
+def test_since_and_until_without_time_zones(settings, zone):
+    """USE_TZ = False: a moment without an offset is local time, as Django stores it; one
+    with an offset is converted to it."""
+    if zone != "UTC" and connection.vendor == "mysql":
+        pytest.skip("MySQL/MariaDB: the server's time zone must be TIME_ZONE (UTC here)")
+    settings.USE_TZ = False
+    settings.TIME_ZONE = zone
+    old, new = make_events({"status": Status.DEAD, "age": 7200}, {"status": Status.DEAD})
+    assert "would requeue 1 dead event(s)" in run("--dry-run", "--since", "1h")
+    cut = new.created_at - timedelta(hours=1)
+    assert f"id={new.pk} " in run("--dry-run", "--since", cut.isoformat())
+    in_utc = timezone.make_aware(cut).astimezone(dt_timezone.utc).isoformat()
+    assert f"id={old.pk} " in run("--dry-run", "--until", in_utc)
+    assert "would requeue 1 dead event(s)" in run("--dry-run", "--until", in_utc)
