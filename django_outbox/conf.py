@@ -143,6 +143,18 @@ class OutboxSettings:
         "Ordered mode: a DEAD event's successors 'block' until it is requeued, or 'skip' it.",
     )
 
+    # --- the message format (django_outbox.formats) --------------------------------------
+    MESSAGE_FORMAT: Setting[str] = Setting(
+        "native",
+        "Wire format of published events: 'native', 'cloudevents' (CloudEvents 1.0, binary "
+        "content mode) or 'cloudevents-structured' (application/cloudevents+json).",
+    )
+    CLOUDEVENTS_SOURCE: Setting[str] = Setting(
+        "",
+        "CloudEvents 'source' of every event, a URI-reference ('' = '/' and the top package "
+        "of the settings module, e.g. '/mysite').",
+    )
+
     # --- Celery (django_outbox.backends.celery.CeleryBackend) ---------------------------
     CELERY_APP: Setting[str] = Setting(
         "",

@@ -49,7 +49,7 @@ from django.utils.translation import gettext_lazy as _
 from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from .db import database_answers, tidy_connections
 from .exceptions import OutboxError, error_text
-from .message import ReceivedEvent, UndecodableMessage, decode
+from .message import FORMATS, ReceivedEvent, UndecodableMessage, decode
 from .worker import Backoff, keep_running
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ class HandlerResult:
     #: FAILED because the connection to this database was lost (or could not be opened):
     #: nothing in the message is to blame. The alias; "" for any other outcome or failure.
     lost_database: str = ""
+    #: The format the message came in (``ReceivedEvent.format``); "" if undecodable.
+    message_format: str = ""
 
 
 class DatabaseUnavailable(OutboxError):
@@ -248,6 +250,7 @@ class IdempotentHandler:
             "handler": self.handler_name(),
             "event_id": event.event_id,
             "event_type": event.event_type,
+            "message_format": event.format,
         }
         using = self.database()
         connection = connections[using]
@@ -452,6 +455,7 @@ class Dispatcher:
         self.handler_classes = get_handlers(handlers)
         self.handlers = [cls() for cls in self.handler_classes]
         self._warned_types: set[str] = set()
+        self._seen_formats: set[str] = set()
 
     def handlers_for(self, event_type: str) -> list[IdempotentHandler]:
         return [h for h in self.handlers if event_type in h.event_types]
@@ -463,6 +467,16 @@ class Dispatcher:
         return keys
 
     def process(self, event: ReceivedEvent) -> list[HandlerResult]:
+        if event.format not in self._seen_formats:
+            # Once per format: a producer switching formats shows in the log, with the
+            # first event that came in the new one.
+            self._seen_formats.add(event.format)
+            logger.info(
+                "reading %s messages (the first: %s %s)",
+                event.format,
+                event.event_type,
+                event.event_id,
+            )
         handlers = self.handlers_for(event.event_type)
         if not handlers:
             if event.event_type not in self._warned_types:
@@ -472,16 +486,24 @@ class Dispatcher:
                     event.event_type,
                     event.event_id,
                 )
-            return [HandlerResult(Outcome.UNKNOWN_TYPE, "", event.event_id, event.event_type)]
+            return [
+                HandlerResult(
+                    Outcome.UNKNOWN_TYPE,
+                    event_id=event.event_id,
+                    event_type=event.event_type,
+                    message_format=event.format,
+                )
+            ]
         results = []
         for handler in handlers:
             result = handler.run(event)
             log = logger.info if result.outcome is Outcome.DUPLICATE else logger.debug
             log(
-                "%s %s %s: %s",
+                "%s %s %s (%s): %s",
                 result.handler,
                 event.event_type,
                 event.event_id,
+                event.format,
                 result.outcome.value,
             )
             results.append(result)
@@ -553,10 +575,14 @@ class ConsumeResult:
     messages: int = 0
     counts: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
     dead_lettered: int = 0
+    #: Decoded messages per format (ReceivedEvent.format); undecodable ones are in none.
+    formats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FORMATS, 0))
 
-    def add(self, outcome: Outcome) -> None:
+    def add(self, outcome: Outcome, message_format: str = "") -> None:
         self.messages += 1
         self.counts[outcome] += 1
+        if message_format:
+            self.formats[message_format] = self.formats.get(message_format, 0) + 1
 
     def summary(self) -> str:
         parts = ", ".join(f"{o.value} {n}" for o, n in self.counts.items() if n)
@@ -569,6 +595,7 @@ class ConsumeResult:
             "messages": self.messages,
             "outcomes": {outcome.value: n for outcome, n in self.counts.items()},
             "dead_lettered": self.dead_lettered,
+            "formats": dict(self.formats),
         }
 
 
@@ -582,7 +609,11 @@ def process_messages(
     dispatcher = dispatcher or Dispatcher()
     return [
         dispatcher.process_message(
-            m.body, message_id=m.message_id, message_type=m.type, headers=m.headers
+            m.body,
+            message_id=m.message_id,
+            message_type=m.type,
+            headers=m.headers,
+            content_type=m.content_type,
         )
         for m in messages
     ]
@@ -771,7 +802,7 @@ class Consumer:
                 outcome = self._deliver(stop, channel, method, properties, body)
                 if outcome is None:  # stopped during a database outage: handed back
                     return True
-                result.add(outcome)
+                result.add(outcome, self._format_last)
                 if self._dead_lettered_last:
                     result.dead_lettered += 1
                 if stop.is_set() or (max_messages and result.messages >= max_messages):
@@ -783,6 +814,7 @@ class Consumer:
         return True
 
     _dead_lettered_last = False
+    _format_last = ""  # the format of the message handle_delivery() settled last
 
     def _deliver(
         self, stop: threading.Event, channel: Any, method: Any, properties: Any, body: bytes
@@ -883,6 +915,7 @@ class Consumer:
             redelivered=method.redelivered,
             content_type=properties.content_type,
         )
+        self._format_last = results[0].message_format if results else ""
         lost = next((r for r in results if r.lost_database), None)
         if lost is not None and hold_on_lost_connection:
             raise DatabaseUnavailable(lost.lost_database, lost.error)

@@ -27,14 +27,19 @@ A Celery task message (``django_outbox.backends.celery.CeleryBackend`` with a ta
 configured for the event type) carries the same fields as one JSON-compatible argument,
 the *task envelope* built by :func:`encode_task_envelope`: ``event_id``, ``event_type``,
 ``payload`` and ``headers`` (the headers above included).
+
+This is the ``native`` message format; :mod:`django_outbox.formats` adds the CloudEvents
+ones (``OUTBOX_MESSAGE_FORMAT``), and :func:`decode` reads all of them.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -44,6 +49,25 @@ if TYPE_CHECKING:
     from .models import OutboxEvent
 
 CONTENT_TYPE = "application/json"
+
+# The message formats (OUTBOX_MESSAGE_FORMAT, django_outbox.formats), which decode() tells
+# apart and ReceivedEvent.format names.
+NATIVE = "native"
+CLOUDEVENTS = "cloudevents"  # CloudEvents 1.0, binary content mode
+CLOUDEVENTS_STRUCTURED = "cloudevents-structured"  # application/cloudevents+json
+#: The values of OUTBOX_MESSAGE_FORMAT and of ReceivedEvent.format.
+FORMATS = (NATIVE, CLOUDEVENTS, CLOUDEVENTS_STRUCTURED)
+SPECVERSION = "1.0"
+STRUCTURED_CONTENT_TYPE = "application/cloudevents+json"
+#: The prefix of the attribute headers the relay writes in binary mode: the separator every
+#: version of the CloudEvents AMQP binding allows (its current draft prefers ``_``, and asks
+#: receivers to read both).
+CLOUDEVENTS_PREFIX = "cloudEvents:"
+#: The prefixes binary mode is read with: the AMQP binding's two, and the RabbitMQ
+#: binding's (Knative eventing-rabbitmq, the ``rabbitmq`` module of the Python SDK).
+CLOUDEVENTS_READ_PREFIXES = ("cloudEvents:", "cloudEvents_", "ce-")
+#: The attributes every CloudEvent has, besides specversion.
+CLOUDEVENTS_REQUIRED = ("id", "source", "type")
 RESERVED_HEADERS = frozenset(
     {"aggregate_type", "aggregate_id", "occurred_at", "attempt", "sequence", "previous_sequence"}
 )
@@ -56,15 +80,19 @@ DELIVERY_HEADERS = frozenset({"x-delivery-count", "x-death"})
 DELIVERY_HEADER_PREFIXES = ("x-outbox-", "x-first-death-", "x-last-death-")
 #: Set by the relay on a replayed event: how many times it was replayed (1 for the first).
 REPLAY_HEADER = "x-outbox-replay"
+#: Where the CloudEvents AMQP binding puts an event's attributes (django_outbox.formats):
+#: an own header there would be taken for one, or overwritten by the relay's.
+CLOUDEVENTS_HEADER_PREFIXES = ("cloudEvents:", "cloudEvents_")
 
 
 def is_reserved_header(name: str) -> bool:
-    """Whether an event's own headers may not use ``name``: the relay sets it, or the
-    broker or the consumer counts deliveries in it."""
+    """Whether an event's own headers may not use ``name``: the relay sets it, the broker
+    or the consumer counts deliveries in it, or it would read as a CloudEvents attribute."""
     return (
         name in RESERVED_HEADERS
         or name in DELIVERY_HEADERS
         or name.startswith(DELIVERY_HEADER_PREFIXES)
+        or name.startswith(CLOUDEVENTS_HEADER_PREFIXES)
     )
 
 
@@ -128,6 +156,12 @@ class ReceivedEvent:
     #: How many times the producer replayed this event after it had been sent (0: never;
     #: the ``x-outbox-replay`` header). A replay keeps its ``event_id``.
     replay: int = 0
+    #: The format the message came in (django_outbox.formats): "native", "cloudevents"
+    #: (CloudEvents binary content mode) or "cloudevents-structured".
+    format: str = NATIVE
+    #: A CloudEvent's context attributes (specversion, id, source, type, subject, time as a
+    #: datetime, extensions), whoever sent it; empty for a native message.
+    cloudevent: Mapping[str, Any] = field(default_factory=dict)
 
 
 class UndecodableMessage(ValueError):
@@ -154,13 +188,39 @@ def decode(
     redelivered: bool = False,
     content_type: str | None = None,
 ) -> ReceivedEvent:
-    """Rebuild the event from a message body and its AMQP properties.
+    """Rebuild the event from a message body and its AMQP properties, in any format the
+    relay publishes (:mod:`django_outbox.formats`): a CloudEvent in structured mode by its
+    content type, in binary mode by a ``specversion`` attribute header, else native.
 
     Raises :class:`UndecodableMessage` (and nothing else) for a message that is not a
     well-formed outbox event, whatever its properties, headers and body hold.
     """
+    if content_type and content_type[:23].lower() == "application/cloudevents":
+        return _decode_structured(
+            body,
+            message_id=message_id,
+            headers=_table(headers, message_id),
+            redelivered=redelivered,
+            content_type=content_type,
+        )
+    if headers:
+        table = _table(headers, message_id)
+        prefix = _binary_prefix(table)
+        if prefix:
+            return _decode_binary(
+                body,
+                prefix=prefix,
+                message_id=message_id,
+                headers=table,
+                redelivered=redelivered,
+                content_type=content_type,
+            )
     if not message_id:
-        raise UndecodableMessage("the message has no message_id (the outbox event_id)")
+        raise UndecodableMessage(
+            "the message is not an outbox event: it has no message_id (the event_id) and is "
+            "no CloudEvent either (no cloudEvents:specversion header, content type not "
+            "application/cloudevents+json)"
+        )
     if not message_type:
         raise UndecodableMessage(f"message {_shown(message_id)} has no type (the event_type)")
     if content_type and not _is_json(content_type):
@@ -203,12 +263,24 @@ def decode_task_envelope(envelope: Any, *, redelivered: bool = False) -> Receive
     )
 
 
+def _table(headers: Any, message_id: Any) -> Mapping[str, Any]:
+    if not isinstance(headers, Mapping):
+        raise UndecodableMessage(
+            f"message {_shown(message_id)}: headers are a {type(headers).__name__}, not a table"
+        )
+    return headers
+
+
 def _received(
     message_id: Any,
     message_type: Any,
     payload: Any,
     headers: Any,
     redelivered: bool,
+    *,
+    format: str = NATIVE,
+    cloudevent: Mapping[str, Any] | None = None,
+    occurred_at: datetime | None = None,
 ) -> ReceivedEvent:
     """The event, from values a publisher chose: every one is checked, and a wrong one raises
     :class:`UndecodableMessage` naming it (never a ``ValueError`` or ``TypeError`` from deep
@@ -232,13 +304,15 @@ def _received(
         aggregate_id=_text(
             headers.get("aggregate_id"), "aggregate_id", MAX_AGGREGATE_LENGTH, event_id
         ),
-        occurred_at=_datetime(headers.get("occurred_at"), event_id),
+        occurred_at=occurred_at or _datetime(headers.get("occurred_at"), event_id),
         attempt=1 if attempt is None else attempt,
         sequence=_integer(headers, "sequence", 1, event_id),
         previous_sequence=_integer(headers, "previous_sequence", 0, event_id),
         headers=own,
         redelivered=redelivered,
         replay=replay or 0,
+        format=format,
+        cloudevent=cloudevent or {},
     )
 
 
@@ -315,3 +389,165 @@ def _datetime(value: Any, event_id: str) -> datetime | None:
             "8601 date and time"
         )
     return parsed
+
+
+# -- CloudEvents (django_outbox.formats writes them) ---------------------------------------
+
+
+def _binary_prefix(headers: Mapping[str, Any]) -> str:
+    """The prefix a binary-mode CloudEvent's attributes have in ``headers``; ``""`` when
+    they hold none (no ``specversion`` under any prefix): not a binary-mode CloudEvent."""
+    for prefix in CLOUDEVENTS_READ_PREFIXES:
+        if prefix + "specversion" in headers:
+            return prefix
+    return ""
+
+
+def _decode_binary(
+    body: bytes,
+    *,
+    prefix: str,
+    message_id: Any,
+    headers: Mapping[str, Any],
+    redelivered: bool,
+    content_type: str | None,
+) -> ReceivedEvent:
+    """A binary-mode CloudEvent: attributes in ``prefix``-ed headers, the body its data."""
+    attributes: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+    for name, value in headers.items():
+        if isinstance(name, str) and name.startswith(CLOUDEVENTS_READ_PREFIXES):
+            # One prefix per message (the binding says so); others are the sender's own.
+            if name.startswith(prefix):
+                attributes[name[len(prefix) :]] = value
+            continue
+        plain[name] = value
+    shown = attributes.get("id") or message_id
+    # The AMQP content type is the datacontenttype; none means JSON, as for native messages.
+    if content_type and not _is_json(content_type):
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)} has datacontenttype {_shown(content_type)}; the "
+            f"consumer reads {CONTENT_TYPE} data only"
+        )
+    payload = _json_data(body, shown, "body")
+    return _cloudevent(attributes, payload, plain, redelivered, CLOUDEVENTS, f"header {prefix}")
+
+
+def _decode_structured(
+    body: bytes,
+    *,
+    message_id: Any,
+    headers: Mapping[str, Any] | None,
+    redelivered: bool,
+    content_type: str,
+) -> ReceivedEvent:
+    """A structured-mode CloudEvent: the JSON event format object as the body."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != STRUCTURED_CONTENT_TYPE:
+        raise UndecodableMessage(
+            f"message {_shown(message_id)} is a CloudEvent in the event format "
+            f"{_shown(media)}; the consumer reads {STRUCTURED_CONTENT_TYPE} only"
+        )
+    envelope = _json_data(body, message_id, "body")
+    if not isinstance(envelope, dict):
+        raise UndecodableMessage(
+            f"message {_shown(message_id)}: a {STRUCTURED_CONTENT_TYPE} body is a "
+            f"{type(envelope).__name__}, not a JSON object"
+        )
+    shown = envelope.get("id") or message_id
+    data_type = envelope.get("datacontenttype")
+    if data_type is not None and not (isinstance(data_type, str) and _is_json(data_type)):
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)} has datacontenttype {_shown(data_type)}; the "
+            f"consumer reads {CONTENT_TYPE} data only"
+        )
+    attributes = {k: v for k, v in envelope.items() if k not in ("data", "data_base64")}
+    if "data_base64" in envelope:
+        try:
+            data = base64.b64decode(envelope["data_base64"], validate=True)
+        except (TypeError, ValueError, binascii.Error) as exc:
+            raise UndecodableMessage(
+                f"CloudEvent {_shown(shown)}: data_base64 is not base64: {exc}"
+            ) from exc
+        payload = _json_data(data, shown, "data_base64")
+    else:
+        payload = envelope.get("data")
+    plain = {
+        k: v
+        for k, v in (headers or {}).items()
+        if not str(k).startswith(CLOUDEVENTS_HEADER_PREFIXES)
+    }
+    return _cloudevent(attributes, payload, plain, redelivered, CLOUDEVENTS_STRUCTURED, "")
+
+
+def _json_data(data: bytes, shown: Any, what: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)}: the {what} is not JSON: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _cloudevent(
+    attributes: dict[str, Any],
+    payload: Any,
+    headers: dict[str, Any],
+    redelivered: bool,
+    format: str,
+    where: str,
+) -> ReceivedEvent:
+    """The event from a CloudEvent's attributes: each required one present and well formed,
+    else :class:`UndecodableMessage` naming it (``where`` says where it was looked for)."""
+    for name, value in attributes.items():
+        if isinstance(value, bytes):
+            attributes[name] = _text(value, f"CloudEvents attribute {name}", len(value), "")
+    shown = attributes.get("id")
+    specversion = attributes.get("specversion")
+    if specversion != SPECVERSION:
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)} has specversion {_shown(specversion)}; the consumer "
+            f"reads CloudEvents {SPECVERSION}"
+        )
+    for name in CLOUDEVENTS_REQUIRED:
+        value = attributes.get(name)
+        if not (isinstance(value, str) and value):
+            problem = "is missing" if value is None else f"is {_shown(value)}, not text"
+            location = f" ({where}{name})" if where else ""
+            raise UndecodableMessage(
+                f"CloudEvent {_shown(shown)}: the required attribute {name}{location} {problem}"
+            )
+    event_id = _text(attributes["id"], "CloudEvents id", MAX_EVENT_ID_LENGTH, attributes["id"])
+    time = attributes.get("time")
+    occurred_at = _time(time, event_id) if time is not None else None
+    if occurred_at is not None:
+        attributes["time"] = occurred_at
+    return _received(
+        event_id,
+        attributes["type"],
+        payload,
+        headers,
+        redelivered,
+        format=format,
+        cloudevent=attributes,
+        occurred_at=occurred_at,
+    )
+
+
+def _time(value: Any, event_id: str) -> datetime | None:
+    """``time``: RFC 3339 text (the canonical form), an AMQP timestamp (a datetime, as pika
+    reads one) or milliseconds since the epoch (an AMQP 1.0 timestamp as a number, what the
+    Python SDK's AMQP binding writes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value / 1000, tz=timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            pass
+    elif isinstance(value, (str, datetime)):
+        try:
+            return _datetime(value, event_id)
+        except UndecodableMessage:
+            pass
+    raise UndecodableMessage(
+        f"CloudEvent {_shown(event_id)}: time is {_shown(value)}, not an RFC 3339 timestamp"
+    )

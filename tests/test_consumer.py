@@ -160,8 +160,9 @@ def test_receive_gives_the_outcome_to_settle_by_and_each_handlers_result():
 
 def test_consume_result_as_dict_lists_every_outcome():
     result = ConsumeResult()
-    for outcome in [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2 + [Outcome.FAILED]:
-        result.add(outcome)
+    for outcome in [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2:
+        result.add(outcome, "native" if outcome is Outcome.PROCESSED else "cloudevents")
+    result.add(Outcome.FAILED, "")  # undecodable: in no format
     result.dead_lettered = 1
     assert result.as_dict() == {
         "messages": 7,
@@ -175,6 +176,7 @@ def test_consume_result_as_dict_lists_every_outcome():
             "out_of_order": 0,
         },
         "dead_lettered": 1,
+        "formats": {"native": 4, "cloudevents": 2, "cloudevents-structured": 0},
     }
 
 

@@ -27,6 +27,7 @@ from django.utils.module_loading import import_string
 
 from ..conf import outbox_settings
 from ..exceptions import OutboxError
+from ..formats import MessageFormat, get_format
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -129,6 +130,9 @@ class BaseBackend(abc.ABC):
         self._routing_key_func: Callable[[OutboxEvent], str] | None = (
             import_string(func) if isinstance(func, str) and func else func or None
         )
+        #: OUTBOX_MESSAGE_FORMAT, chosen once: a backend builds each message with its
+        #: ``content_type``, ``encode_body`` and ``encode_headers``.
+        self.message_format: MessageFormat = get_format()
 
     # -- connection ------------------------------------------------------------------------
     # Optional, unlike the methods below: a backend with no connection has nothing to do.

@@ -64,7 +64,7 @@ from django.utils.module_loading import import_string
 
 from ..checks import Codes
 from ..conf import outbox_settings
-from ..message import CONTENT_TYPE, encode_body, encode_headers, encode_task_envelope
+from ..message import encode_task_envelope
 from .base import (
     AmqpBackend,
     BrokerUnavailable,
@@ -303,13 +303,14 @@ class CeleryBackend(SyncBackend, AmqpBackend):
                 self.exchange, type=self.exchange_type, durable=True, passive=self.exchange_passive
             )(producer.channel).declare()
             self._exchange_declared = True
+        message_format = self.message_format
         producer.publish(
-            encode_body(event),
+            message_format.encode_body(event),
             exchange=self.exchange,
             routing_key=self.routing_key(event),
-            content_type=CONTENT_TYPE,
+            content_type=message_format.content_type,
             content_encoding="utf-8",
-            headers=encode_headers(event),
+            headers=message_format.encode_headers(event),
             delivery_mode=2,
             mandatory=True,
             retry=False,

@@ -7,7 +7,6 @@ import threading
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from ..message import encode_body, encode_headers
 from .base import PublishResult, SyncBackend
 
 if TYPE_CHECKING:
@@ -21,11 +20,13 @@ class ConsoleBackend(SyncBackend):
         self._lock = threading.Lock()
 
     def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
+        message_format = self.message_format
         with self._lock:
             for event in events:
                 self.stream.write(
                     f"-> {self.exchange} {self.routing_key(event)} message_id={event.event_id} "
-                    f"headers={encode_headers(event)}\n   {encode_body(event).decode()}\n"
+                    f"headers={message_format.encode_headers(event)}\n"
+                    f"   {message_format.encode_body(event).decode()}\n"
                 )
             self.stream.flush()
         return [PublishResult.sent() for _ in events]

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..message import CONTENT_TYPE, encode_body, encode_headers
 from .base import BrokerUnavailable, PublishResult, Reason, SyncBackend
 
 if TYPE_CHECKING:
@@ -56,6 +55,7 @@ class LocmemBackend(SyncBackend):
     def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
         self.open()
         results = []
+        message_format = self.message_format
         with _lock:
             for event in events:
                 if fail_next:
@@ -66,11 +66,11 @@ class LocmemBackend(SyncBackend):
                     Message(
                         exchange=self.exchange,
                         routing_key=self.routing_key(event),
-                        body=encode_body(event),
+                        body=message_format.encode_body(event),
                         message_id=event.event_id,
                         type=event.event_type,
-                        content_type=CONTENT_TYPE,
-                        headers=encode_headers(event),
+                        content_type=message_format.content_type,
+                        headers=message_format.encode_headers(event),
                     )
                 )
                 results.append(PublishResult.sent())

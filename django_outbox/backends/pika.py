@@ -39,7 +39,6 @@ from pika.adapters.select_connection import SelectConnection
 from .._compat.pika import CoalescingConnection, HandTurnedLoop
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..masking import mask_url
-from ..message import CONTENT_TYPE, encode_body, encode_headers
 from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
 
 if TYPE_CHECKING:
@@ -419,11 +418,15 @@ class PikaBackend(AmqpBackend):
         events = batch.events
         append = batch.positions.append
         flush_every = FLUSH_EVERY
+        message_format = self.message_format
+        content_type = message_format.content_type
+        encode_body = message_format.encode_body
+        encode_headers = message_format.encode_headers
         for index, event in enumerate(events):
             try:
                 body = encode_body(event)
                 props = properties(
-                    content_type=CONTENT_TYPE,
+                    content_type=content_type,
                     delivery_mode=2,
                     message_id=event.event_id,
                     type=event.event_type,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason, SyncBackend
 from django_outbox.conf import outbox_settings
-from django_outbox.message import CONTENT_TYPE, encode_body, encode_headers
+from django_outbox.formats import MessageFormat
 
 if TYPE_CHECKING:
     from django_outbox.models import OutboxEvent
@@ -55,6 +55,7 @@ class Delivery:
     headers: dict[str, Any] = field(default_factory=dict)
     redelivered: bool = False
     tag: int = 0
+    content_type: str = "application/json"
 
 
 class InProcessBroker:
@@ -153,15 +154,17 @@ class InProcessBroker:
         self._listener.close()
 
 
-def _to_wire(exchange: str, routing_key: str, event: OutboxEvent) -> dict[str, Any]:
+def _to_wire(
+    exchange: str, routing_key: str, event: OutboxEvent, message_format: MessageFormat
+) -> dict[str, Any]:
     return {
         "exchange": exchange,
         "routing_key": routing_key,
-        "body": encode_body(event).decode(),
+        "body": message_format.encode_body(event).decode(),
         "message_id": event.event_id,
         "type": event.event_type,
-        "content_type": CONTENT_TYPE,
-        "headers": encode_headers(event),
+        "content_type": message_format.content_type,
+        "headers": message_format.encode_headers(event),
     }
 
 
@@ -172,6 +175,7 @@ def _from_wire(message: dict[str, Any]) -> Delivery:
         type=message["type"],
         routing_key=message["routing_key"],
         headers=message["headers"],
+        content_type=message["content_type"],
     )
 
 
@@ -222,7 +226,9 @@ class InProcessBrokerBackend(SyncBackend):
     def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
         self.open()
         assert self._conn is not None
-        wire = [_to_wire(self.exchange, self.routing_key(e), e) for e in events]
+        wire = [
+            _to_wire(self.exchange, self.routing_key(e), e, self.message_format) for e in events
+        ]
         try:
             self._conn.send_bytes(json.dumps(wire).encode())
             if not self._conn.poll(self.confirm_timeout):

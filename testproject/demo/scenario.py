@@ -262,6 +262,7 @@ def receive(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
         message_type=delivery.type,
         headers=delivery.headers,
         redelivered=delivery.redelivered,
+        content_type=delivery.content_type,
     )
     return outcome
 
@@ -400,6 +401,7 @@ class RabbitTransport:
                     routing_key=method.routing_key,
                     headers=dict(props.headers or {}),
                     redelivered=method.redelivered,
+                    content_type=props.content_type or "",
                 )
                 tally.add(receive(self.dispatcher, delivery))  # committed, not acked
         # The connection is closed with those messages unacknowledged: RabbitMQ requeues them.
