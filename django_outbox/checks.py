@@ -35,6 +35,8 @@ class Codes:
     CELERY_NO_CONFIRMS = "django_outbox.E013"
     ORDERED_DEAD_HEAD = "django_outbox.E014"  # split from E009, which named two problems
     CELERY_APP = "django_outbox.E015"  # split from E013, which named two problems
+    MESSAGE_FORMAT = "django_outbox.E018"
+    CLOUDEVENTS_SOURCE = "django_outbox.E019"
 
 
 class Messages:
@@ -63,6 +65,11 @@ class Messages:
     RETENTION = (
         "OUTBOX_RETENTION_DAYS is {days}: sent rows are kept less than 3 days, too short to "
         "investigate an incident; purge_outbox refuses it without --force."
+    )
+    MESSAGE_FORMAT = "OUTBOX_MESSAGE_FORMAT must be one of {choices}, got {value!r}."
+    CLOUDEVENTS_SOURCE = (
+        "OUTBOX_CLOUDEVENTS_SOURCE must be a URI-reference (text without spaces or control "
+        "characters), got {value!r}."
     )
 
 
@@ -104,6 +111,14 @@ class Hints:
         "default) or another list of channels of docs/operations.md."
     )
     RETENTION = "Set OUTBOX_RETENTION_DAYS to 3 or more (default 7)."
+    MESSAGE_FORMAT = (
+        "Set OUTBOX_MESSAGE_FORMAT = 'native' (the default), 'cloudevents' (CloudEvents "
+        "binary content mode) or 'cloudevents-structured' (docs/writing-events.md)."
+    )
+    CLOUDEVENTS_SOURCE = (
+        "Set OUTBOX_CLOUDEVENTS_SOURCE to a URI-reference naming the service, e.g. "
+        "'/orders' or 'https://orders.example.com', or to '' for the default."
+    )
 
 
 #: Settings that must be positive: name without the prefix, and whether whole numbers only.
@@ -333,3 +348,34 @@ def check_ordered_isolation(app_configs: Any = None, **kwargs: Any) -> list[Chec
                 )
             )
     return errors
+
+
+@register()
+def check_message_format(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    from .message import FORMATS
+
+    value = outbox_settings.MESSAGE_FORMAT
+    if value in FORMATS:
+        return []
+    choices = ", ".join(map(repr, FORMATS))
+    return [
+        Error(
+            Messages.MESSAGE_FORMAT.format(choices=choices, value=value),
+            hint=Hints.MESSAGE_FORMAT,
+            id=Codes.MESSAGE_FORMAT,
+        )
+    ]
+
+
+@register()
+def check_cloudevents_source(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    source = outbox_settings.CLOUDEVENTS_SOURCE
+    if isinstance(source, str) and not any(c.isspace() or not c.isprintable() for c in source):
+        return []
+    return [
+        Error(
+            Messages.CLOUDEVENTS_SOURCE.format(value=source),
+            hint=Hints.CLOUDEVENTS_SOURCE,
+            id=Codes.CLOUDEVENTS_SOURCE,
+        )
+    ]

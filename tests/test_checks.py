@@ -13,7 +13,9 @@ from django_outbox.checks import (
     Codes,
     check_alerts,
     check_backend,
+    check_cloudevents_source,
     check_lease,
+    check_message_format,
     check_ordered,
     check_ordered_dead_head,
     check_ordered_isolation,
@@ -36,6 +38,8 @@ SETTINGS_CHECKS = [
     check_ordered_dead_head,
     check_alerts,
     check_unknown_settings,
+    check_message_format,
+    check_cloudevents_source,
 ]
 
 
@@ -170,6 +174,30 @@ def test_a_bad_dead_head_policy_has_its_own_id(settings):
     assert check_ordered() == []  # E009 is the other problem: OUTBOX_ORDERED's type
     settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
     assert check_ordered_dead_head() == []
+
+
+def test_the_message_format_is_one_of_three(settings):
+    for value in ("native", "cloudevents", "cloudevents-structured"):
+        settings.OUTBOX_MESSAGE_FORMAT = value
+        assert check_message_format() == []
+    settings.OUTBOX_MESSAGE_FORMAT = "CloudEvents"
+    (error,) = check_message_format()
+    assert error.id == Codes.MESSAGE_FORMAT == "django_outbox.E018"
+    assert "'CloudEvents'" in error.msg and "'cloudevents-structured'" in error.msg
+
+
+@pytest.mark.parametrize("value", ["/orders", "https://orders.example.com/a?b=c", "urn:x:y", ""])
+def test_a_cloudevents_source_is_a_uri_reference(settings, value):
+    settings.OUTBOX_CLOUDEVENTS_SOURCE = value
+    assert check_cloudevents_source() == []
+
+
+@pytest.mark.parametrize("value", ["orders service", "/orders\n", 42, None])
+def test_a_cloudevents_source_that_is_not_a_uri_reference(settings, value):
+    settings.OUTBOX_CLOUDEVENTS_SOURCE = value
+    (error,) = check_cloudevents_source()
+    assert error.id == Codes.CLOUDEVENTS_SOURCE == "django_outbox.E019"
+    assert repr(value) in error.msg
 
 
 def test_ids_are_unique_and_documented():
