@@ -1,0 +1,365 @@
+"""OUTBOX_MESSAGE_FORMAT: the CloudEvents formats on the wire, checked against the CloudEvents
+Python SDK in both directions, and the consumer reading every format."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from cloudevents.core.bindings import amqp as ce_amqp
+from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
+from cloudevents.core.formats.json import JSONFormat
+from cloudevents.core.v1.event import CloudEvent
+
+from django_outbox import message
+from django_outbox.backends.locmem import LocmemBackend
+from django_outbox.exceptions import ImproperlyConfiguredBackend
+from django_outbox.formats import default_source, get_format, rfc3339
+from django_outbox.message import UndecodableMessage, decode
+from tests.utils.rows import OCCURRED, unsaved_event, wire_rows
+
+SOURCE = "/orders-service"
+
+
+def received(body: bytes, headers: dict, *, content_type: str, message_id="", type=""):
+    return decode(
+        body,
+        message_id=message_id or None,
+        message_type=type or None,
+        headers=headers,
+        content_type=content_type,
+    )
+
+
+def ordered_row():
+    (row,) = wire_rows(1, start=7)
+    row.previous_sequence = 3  # set by the claim on ordered rows
+    row.retry_count = 1
+    return row
+
+
+# -- writing -------------------------------------------------------------------------------
+def test_native_is_the_default_and_calls_the_encoders_it_always_called(settings):
+    backend = LocmemBackend()
+    assert backend.message_format.name == "native"
+    assert backend.message_format.encode_body is message.encode_body
+    assert backend.message_format.encode_headers is message.encode_headers
+    assert backend.message_format.content_type == "application/json"
+
+
+def test_an_unknown_format_stops_the_backend_with_the_fix(settings):
+    settings.OUTBOX_MESSAGE_FORMAT = "cloud-events"
+    with pytest.raises(ImproperlyConfiguredBackend, match="'cloudevents-structured'"):
+        LocmemBackend()
+
+
+def test_binary_mode_is_the_native_message_plus_prefixed_attributes():
+    row = ordered_row()
+    fmt = get_format("cloudevents", source=SOURCE)
+    headers = fmt.encode_headers(row)
+    assert fmt.content_type == "application/json"  # the datacontenttype
+    assert fmt.encode_body(row) == message.encode_body(row)  # the data
+    native = message.encode_headers(row)
+    assert {k: v for k, v in headers.items() if not k.startswith("cloudEvents:")} == native
+    assert {k: v for k, v in headers.items() if k.startswith("cloudEvents:")} == {
+        "cloudEvents:specversion": "1.0",
+        "cloudEvents:id": row.event_id,
+        "cloudEvents:source": SOURCE,
+        "cloudEvents:type": "ORDER_CREATED",
+        "cloudEvents:subject": "orders.Order/A-7",
+        "cloudEvents:time": "2026-05-17T08:30:15.123456+00:00",
+    }
+
+
+def test_structured_mode_is_the_event_format_object_with_the_native_headers():
+    row = ordered_row()
+    fmt = get_format("cloudevents-structured", source=SOURCE)
+    assert fmt.content_type == "application/cloudevents+json"
+    assert fmt.encode_headers(row) == message.encode_headers(row)
+    assert json.loads(fmt.encode_body(row)) == {
+        "specversion": "1.0",
+        "id": row.event_id,
+        "source": SOURCE,
+        "type": "ORDER_CREATED",
+        "subject": "orders.Order/A-7",
+        "time": "2026-05-17T08:30:15.123456+00:00",
+        "datacontenttype": "application/json",
+        "data": {"order_id": 7, "total": "12.50", "note": "über"},
+    }
+
+
+def test_an_event_without_aggregate_has_no_subject():
+    row = unsaved_event(aggregate_type="", aggregate_id="")
+    headers = get_format("cloudevents", source=SOURCE).encode_headers(row)
+    assert "cloudEvents:subject" not in headers
+
+
+def test_the_default_source_is_the_project_and_the_setting_overrides_it(settings):
+    settings.SETTINGS_MODULE = "mysite.settings.production"
+    assert default_source() == "/mysite"
+    settings.OUTBOX_CLOUDEVENTS_SOURCE = "https://orders.example.com"
+    assert default_source() == "https://orders.example.com"
+    settings.OUTBOX_MESSAGE_FORMAT = "cloudevents"
+    headers = LocmemBackend().message_format.encode_headers(unsaved_event())
+    assert headers["cloudEvents:source"] == "https://orders.example.com"
+
+
+def test_time_is_rfc3339_with_an_offset_also_for_naive_datetimes(settings):
+    settings.TIME_ZONE = "Asia/Shanghai"
+    assert rfc3339(datetime(2026, 5, 17, 16, 30)) == "2026-05-17T16:30:00+08:00"
+    assert rfc3339(OCCURRED) == "2026-05-17T08:30:15.123456+00:00"
+
+
+def test_emit_refuses_own_headers_that_read_as_attributes():
+    assert message.is_reserved_header("cloudEvents:tenant")
+    assert message.is_reserved_header("cloudEvents_id")
+    assert not message.is_reserved_header("tenant")
+
+
+# -- the SDK reads what the relay writes ---------------------------------------------------
+def test_the_sdk_reads_binary_mode():
+    row = ordered_row()
+    fmt = get_format("cloudevents", source=SOURCE)
+    amqp_message = ce_amqp.AMQPMessage(
+        properties={"content-type": fmt.content_type},
+        application_properties=fmt.encode_headers(row),
+        application_data=fmt.encode_body(row),
+    )
+    event = ce_amqp.from_binary(amqp_message, JSONFormat(), CloudEvent)
+    assert event.get_id() == row.event_id
+    assert event.get_source() == SOURCE
+    assert event.get_type() == "ORDER_CREATED"
+    assert event.get_subject() == "orders.Order/A-7"
+    assert event.get_time() == OCCURRED
+    assert event.get_datacontenttype() == "application/json"
+    assert event.get_specversion() == "1.0"
+    assert event.get_data() == row.payload
+
+
+def test_the_sdk_reads_structured_mode():
+    row = ordered_row()
+    fmt = get_format("cloudevents-structured", source=SOURCE)
+    amqp_message = ce_amqp.AMQPMessage(
+        properties={"content-type": fmt.content_type},
+        application_properties=fmt.encode_headers(row),
+        application_data=fmt.encode_body(row),
+    )
+    event = ce_amqp.from_amqp(amqp_message, JSONFormat(), CloudEvent)
+    assert (event.get_id(), event.get_type(), event.get_source()) == (
+        row.event_id,
+        "ORDER_CREATED",
+        SOURCE,
+    )
+    assert event.get_time() == OCCURRED
+    assert event.get_data() == row.payload
+
+
+# -- the consumer reads every format -------------------------------------------------------
+@pytest.mark.parametrize("name", ["native", "cloudevents", "cloudevents-structured"])
+def test_what_the_relay_writes_reads_back_the_same_in_every_format(name):
+    row = ordered_row()
+    fmt = get_format(name, source=SOURCE)
+    event = received(
+        fmt.encode_body(row),
+        fmt.encode_headers(row),
+        content_type=fmt.content_type,
+        message_id=row.event_id,
+        type=row.event_type,
+    )
+    assert event.format == name
+    assert (event.event_id, event.event_type) == (row.event_id, "ORDER_CREATED")
+    assert event.payload == {"order_id": 7, "total": "12.50", "note": "über"}
+    assert (event.aggregate_type, event.aggregate_id) == ("orders.Order", "A-7")
+    assert event.occurred_at == OCCURRED
+    assert (event.attempt, event.sequence, event.previous_sequence) == (2, 7, 3)
+    assert event.headers == {"trace_id": "t-7"}  # no attribute among the event's own
+    if name == "native":
+        assert event.cloudevent == {}
+    else:
+        assert event.cloudevent == {
+            "specversion": "1.0",
+            "id": row.event_id,
+            "source": SOURCE,
+            "type": "ORDER_CREATED",
+            "subject": "orders.Order/A-7",
+            "time": OCCURRED,
+            **({"datacontenttype": "application/json"} if name != "cloudevents" else {}),
+        }
+
+
+def sdk_event(**attributes) -> CloudEvent:
+    return CloudEvent(
+        attributes={
+            "id": "ce-1",
+            "source": "https://spring.example.com/orders",
+            "type": "com.example.order.created",
+            "time": datetime(2026, 5, 17, 8, 30, 15, 123000, tzinfo=timezone.utc),
+            "datacontenttype": "application/json",
+            "tenant": "acme",
+            **attributes,
+        },
+        data={"order_id": 1},
+    )
+
+
+def test_reads_the_sdks_amqp_binary_mode_underscore_prefix_and_millisecond_time():
+    sent = ce_amqp.to_binary(sdk_event(), JSONFormat())
+    assert "cloudEvents_id" in sent.application_properties
+    assert isinstance(sent.application_properties["cloudEvents_time"], int)
+    event = received(
+        sent.application_data,
+        sent.application_properties,
+        content_type=sent.properties["content-type"],
+    )
+    assert event.format == "cloudevents"
+    assert (event.event_id, event.event_type) == ("ce-1", "com.example.order.created")
+    assert event.payload == {"order_id": 1}
+    assert event.occurred_at == datetime(2026, 5, 17, 8, 30, 15, 123000, tzinfo=timezone.utc)
+    assert event.cloudevent["tenant"] == "acme"
+    assert event.cloudevent["source"] == "https://spring.example.com/orders"
+    assert event.headers == {}
+
+
+def test_reads_the_sdks_rabbitmq_binding_ce_prefix():
+    sent = ce_rabbitmq.to_binary(sdk_event(), JSONFormat())
+    assert "ce-id" in sent.headers
+    event = received(sent.body, sent.headers, content_type=sent.content_type)
+    assert (event.format, event.event_id, event.payload) == ("cloudevents", "ce-1", {"order_id": 1})
+    assert event.occurred_at == datetime(2026, 5, 17, 8, 30, 15, 123000, tzinfo=timezone.utc)
+
+
+def test_reads_the_sdks_structured_mode():
+    sent = ce_amqp.to_structured(sdk_event(), JSONFormat())
+    event = received(sent.application_data, {}, content_type=sent.properties["content-type"])
+    assert (event.format, event.event_id, event.payload) == (
+        "cloudevents-structured",
+        "ce-1",
+        {"order_id": 1},
+    )
+    assert event.cloudevent["tenant"] == "acme"
+
+
+def test_reads_structured_data_base64_holding_json():
+    envelope = {
+        "specversion": "1.0",
+        "id": "b-1",
+        "source": "/x",
+        "type": "T",
+        "data_base64": base64.b64encode(b'{"n": 1}').decode(),
+    }
+    event = received(json.dumps(envelope).encode(), {}, content_type="application/cloudevents+json")
+    assert event.payload == {"n": 1}
+
+
+def test_an_amqp_timestamp_time_is_read_as_such():
+    headers = {
+        "cloudEvents:specversion": "1.0",
+        "cloudEvents:id": "t-1",
+        "cloudEvents:source": "/x",
+        "cloudEvents:type": "T",
+        # pika reads an AMQP timestamp field as a naive UTC datetime.
+        "cloudEvents:time": datetime(2026, 5, 17, 8, 30, 15),
+    }
+    event = received(b"{}", headers, content_type="application/json")
+    assert event.occurred_at == datetime(2026, 5, 17, 8, 30, 15)
+
+
+BINARY = {
+    "cloudEvents:specversion": "1.0",
+    "cloudEvents:id": "e-1",
+    "cloudEvents:source": "/x",
+    "cloudEvents:type": "T",
+}
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "content_type", "reason"),
+    [
+        (
+            {k: v for k, v in BINARY.items() if k != "cloudEvents:source"},
+            b"{}",
+            "application/json",
+            "CloudEvent 'e-1': the required attribute source (header cloudEvents:source) is "
+            "missing",
+        ),
+        (
+            {**BINARY, "cloudEvents:type": ""},
+            b"{}",
+            "application/json",
+            "the required attribute type (header cloudEvents:type) is '', not text",
+        ),
+        (
+            {**BINARY, "cloudEvents:specversion": "0.3"},
+            b"{}",
+            "application/json",
+            "CloudEvent 'e-1' has specversion '0.3'; the consumer reads CloudEvents 1.0",
+        ),
+        (
+            BINARY,
+            b"<order/>",
+            "application/xml",
+            "CloudEvent 'e-1' has datacontenttype 'application/xml'; the consumer reads "
+            "application/json data only",
+        ),
+        (BINARY, b"not json", "application/json", "CloudEvent 'e-1': the body is not JSON"),
+        (
+            {**BINARY, "cloudEvents:time": "yesterday"},
+            b"{}",
+            "application/json",
+            "CloudEvent 'e-1': time is 'yesterday', not an RFC 3339 timestamp",
+        ),
+        (
+            {**BINARY, "cloudEvents:id": "x" * 65},
+            b"{}",
+            "application/json",
+            "CloudEvents id is 65 characters long, more than 64",
+        ),
+        (
+            {},
+            b"[1]",
+            "application/cloudevents+json",
+            "a application/cloudevents+json body is a list, not a JSON object",
+        ),
+        (
+            {},
+            json.dumps({"specversion": "1.0", "id": "s-1", "type": "T"}).encode(),
+            "application/cloudevents+json",
+            "CloudEvent 's-1': the required attribute source is missing",
+        ),
+        (
+            {},
+            b"\x00",
+            "application/cloudevents+avro",
+            "is a CloudEvent in the event format 'application/cloudevents+avro'; the consumer "
+            "reads application/cloudevents+json only",
+        ),
+        (
+            {"tenant": "acme"},
+            b"{}",
+            "application/json",
+            "the message is not an outbox event: it has no message_id (the event_id) and is "
+            "no CloudEvent either",
+        ),
+    ],
+)
+def test_a_message_in_neither_format_is_undecodable_with_the_reason(
+    headers, body, content_type, reason
+):
+    with pytest.raises(UndecodableMessage) as info:
+        received(body, headers, content_type=content_type)
+    assert reason in str(info.value)
+
+
+def test_a_time_in_milliseconds_out_of_range_is_undecodable():
+    headers = {**BINARY, "cloudEvents:time": 10**20}
+    with pytest.raises(UndecodableMessage, match="not an RFC 3339 timestamp"):
+        received(b"{}", headers, content_type="application/json")
+
+
+def test_an_offset_time_keeps_its_offset():
+    headers = {**BINARY, "cloudEvents:time": "2026-05-17T16:30:15+08:00"}
+    event = received(b"{}", headers, content_type="application/json")
+    assert event.occurred_at == OCCURRED.replace(microsecond=0)
+    assert event.occurred_at.utcoffset() == timedelta(hours=8)
