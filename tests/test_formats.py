@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from datetime import datetime, timedelta, timezone
 
+import pika
 import pytest
 from cloudevents.core.bindings import amqp as ce_amqp
 from cloudevents.core.bindings import rabbitmq as ce_rabbitmq
@@ -15,10 +17,15 @@ from cloudevents.core.v1.event import CloudEvent
 
 from django_outbox import message
 from django_outbox.backends.locmem import LocmemBackend
+from django_outbox.backends.pika import PikaBackend
+from django_outbox.consumer import REASON_HEADER, Outcome
 from django_outbox.exceptions import ImproperlyConfiguredBackend
 from django_outbox.formats import default_source, get_format, rfc3339
 from django_outbox.message import UndecodableMessage, decode
+from points.models import PointsLedger
+from tests.utils.amqp import make_consumer
 from tests.utils.rows import OCCURRED, unsaved_event, wire_rows
+from tests.utils.waiting import wait_for
 
 SOURCE = "/orders-service"
 
@@ -363,3 +370,117 @@ def test_an_offset_time_keeps_its_offset():
     event = received(b"{}", headers, content_type="application/json")
     assert event.occurred_at == OCCURRED.replace(microsecond=0)
     assert event.occurred_at.utcoffset() == timedelta(hours=8)
+
+
+# -- over RabbitMQ -------------------------------------------------------------------------
+@pytest.mark.amqp
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("name", ["cloudevents", "cloudevents-structured"])
+def test_relayed_over_rabbitmq_the_sdk_and_the_consumer_read_it(broker, settings, name):
+    """The pika backend publishes in the format; what RabbitMQ delivers keeps the native
+    properties, the SDK reads it as a CloudEvent and consume_outbox handles it."""
+    settings.OUTBOX_MESSAGE_FORMAT = name
+    settings.OUTBOX_CLOUDEVENTS_SOURCE = SOURCE
+    consumer = make_consumer(broker)
+    rows = [unsaved_event(pk=1), unsaved_event(pk=2)]
+    probe = broker.declare_queue("ORDER_CREATED")
+    with PikaBackend(broker_url=broker.url, exchange=broker.exchange) as backend:
+        assert [r.ok for r in backend.publish(rows)] == [True, True]
+
+    _method, props, body = broker.get_all(probe, 1)[0]
+    assert (props.message_id, props.type, props.delivery_mode) == (
+        rows[0].event_id,
+        "ORDER_CREATED",
+        2,
+    )
+    assert props.timestamp == int(rows[0].occurred_at.timestamp())
+    assert props.headers["aggregate_id"] == "N1"
+    sdk_message = ce_amqp.AMQPMessage(
+        properties={"content-type": props.content_type},
+        application_properties=props.headers,
+        application_data=body,
+    )
+    event = ce_amqp.from_amqp(sdk_message, JSONFormat(), CloudEvent)
+    assert (event.get_id(), event.get_source(), event.get_subject()) == (
+        rows[0].event_id,
+        SOURCE,
+        "ORDER/N1",
+    )
+    assert event.get_data() == json.loads(message.encode_body(rows[0]))
+
+    result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.PROCESSED] == 2
+    assert result.as_dict()["formats"] == {
+        "native": 0,
+        "cloudevents": 0,
+        "cloudevents-structured": 0,
+        name: 2,
+    }
+    assert set(PointsLedger.objects.values_list("source_event_id", flat=True)) == {
+        r.event_id for r in rows
+    }
+
+
+@pytest.mark.amqp
+@pytest.mark.django_db(transaction=True)
+def test_a_producer_switching_format_needs_no_flag_day_and_a_bad_cloudevent_is_dead_lettered(
+    broker, settings, caplog
+):
+    consumer = make_consumer(broker)
+    native, binary, structured, bad = (unsaved_event(pk=pk) for pk in (1, 2, 3, 4))
+    broker.publish(native)
+    for row, name in [(binary, "cloudevents"), (structured, "cloudevents-structured")]:
+        fmt = get_format(name, source=SOURCE)
+        props = pika.BasicProperties(
+            content_type=fmt.content_type,
+            delivery_mode=2,
+            message_id=row.event_id,
+            type=row.event_type,
+            headers=fmt.encode_headers(row),
+        )
+        broker.publish_raw(fmt.encode_body(row), props, "ORDER_CREATED")
+    headers = get_format("cloudevents", source=SOURCE).encode_headers(bad)
+    headers["cloudEvents:specversion"] = "0.3"
+    broker.publish_raw(
+        message.encode_body(bad),
+        pika.BasicProperties(content_type="application/json", headers=headers),
+        "ORDER_CREATED",
+    )
+    with caplog.at_level(logging.INFO, logger="django_outbox.consumer"):
+        result = consumer.run(until_idle=True)
+    assert result.counts[Outcome.PROCESSED] == 3
+    assert result.counts[Outcome.UNDECODABLE] == 1
+    assert result.as_dict()["formats"] == {
+        "native": 1,
+        "cloudevents": 1,
+        "cloudevents-structured": 1,
+    }
+    logged = caplog.text
+    for name in ("native", "cloudevents", "cloudevents-structured"):
+        assert f"reading {name} messages" in logged
+    assert wait_for(lambda: broker.count(broker.dlq) == 1)
+    props, _body = broker.drain(broker.dlq)[0]
+    assert props.headers[REASON_HEADER] == (
+        f"undecodable: CloudEvent '{bad.event_id}' has specversion '0.3'; the consumer reads "
+        "CloudEvents 1.0"
+    )
+
+
+@pytest.mark.amqp
+def test_the_celery_backends_plain_messages_follow_the_format(broker, settings):
+    from tests.test_backend_celery import backend_for
+
+    settings.OUTBOX_MESSAGE_FORMAT = "cloudevents"
+    queue = broker.declare_queue("ORDER_CREATED")
+    rows = wire_rows(1)
+    with backend_for(broker) as backend:
+        assert [r.ok for r in backend.publish(rows)] == [True]
+    _method, props, body = broker.get_all(queue, 1)[0]
+    event = received(
+        body, props.headers, content_type=props.content_type, message_id=props.message_id
+    )
+    assert (event.format, event.event_id, event.payload) == (
+        "cloudevents",
+        rows[0].event_id,
+        rows[0].payload,
+    )
