@@ -61,7 +61,7 @@ def test_embedded_demo_migrates_a_fresh_database_and_reconciles(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     prose = " ".join(out.split())  # the story is wrapped at 92 columns
-    assert "in-process broker" in prose
+    assert "in-process broker, native messages" in prose
     assert "The database was migrated first" in prose
     assert "killed with SIGKILL" in prose
     assert figure(out, "orders created") == "100"
@@ -72,6 +72,30 @@ def test_embedded_demo_migrates_a_fresh_database_and_reconciles(tmp_path):
     assert figure(out, "messages handled") == "115"
     assert figure(out, "lost") == "0"
     assert figure(out, "PENDING / SENT / DEAD") == "0 / 100 / 0"
+    assert "OK: every order got its points exactly once" in prose
+
+
+@pytest.mark.once
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("message_format", "told"),
+    [
+        ("cloudevents", "messages as CloudEvents (binary content mode)"),
+        ("cloudevents-structured", "messages as CloudEvents (structured"),
+    ],
+)
+def test_embedded_demo_in_a_cloudevents_format(tmp_path, message_format, told):
+    """OUTBOX_MESSAGE_FORMAT from the environment: the relay children publish CloudEvents
+    and the demo's consumer reads them, with the same story and figures."""
+    env = embedded_env(tmp_path)
+    env["OUTBOX_MESSAGE_FORMAT"] = message_format
+    done = run_demo("--orders", "30", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    prose = " ".join(done.stdout.split())
+    assert told in prose
+    assert figure(done.stdout, "points rows") == "30"
+    assert figure(done.stdout, "lost") == "0"
+    assert figure(done.stdout, "PENDING / SENT / DEAD") == "0 / 30 / 0"
     assert "OK: every order got its points exactly once" in prose
 
 

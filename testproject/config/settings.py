@@ -7,6 +7,9 @@ no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 - ``AMQP_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F``; when set, the relay uses the
   pika backend (RabbitMQ), otherwise the in-memory (locmem) one.
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
+- ``OUTBOX_MESSAGE_FORMAT``: ``native`` (the default), ``cloudevents`` or
+  ``cloudevents-structured``: how the relay publishes (the consumer reads all three);
+  ``OUTBOX_CLOUDEVENTS_SOURCE``: the CloudEvents ``source`` (default ``/testproject``).
 - ``OUTBOX_BACKEND``, ``OUTBOX_LEASE_SECONDS``, ``OUTBOX_CONFIRM_TIMEOUT``: what
   ``manage.py demo`` sets for the relay processes it starts.
 - ``DEBUG=1``: Django's debug mode, off by default (an error page would show the broker
@@ -26,6 +29,8 @@ env = environ.Env(
     ALLOWED_HOSTS=(list, ["localhost", "127.0.0.1", "[::1]", "testserver"]),
     AMQP_URL=(str, ""),
     OUTBOX_ORDERED=(bool, False),
+    OUTBOX_MESSAGE_FORMAT=(str, "native"),
+    OUTBOX_CLOUDEVENTS_SOURCE=(str, "/testproject"),
     OUTBOX_BACKEND=(str, ""),
     OUTBOX_LEASE_SECONDS=(float, 60.0),
     OUTBOX_CONFIRM_TIMEOUT=(float, 10.0),
@@ -114,6 +119,8 @@ OUTBOX_BACKEND = env("OUTBOX_BACKEND") or (
     else "django_outbox.backends.locmem.LocmemBackend"
 )
 OUTBOX_ORDERED = env("OUTBOX_ORDERED")
+OUTBOX_MESSAGE_FORMAT = env("OUTBOX_MESSAGE_FORMAT")
+OUTBOX_CLOUDEVENTS_SOURCE = env("OUTBOX_CLOUDEVENTS_SOURCE")
 # The demo's relay processes run with a lease of seconds, so that the rows of the relay it
 # kills come back before the demo ends.
 OUTBOX_LEASE_SECONDS = env("OUTBOX_LEASE_SECONDS")

@@ -44,6 +44,7 @@ from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.migrations.executor import MigrationExecutor
 
+from django_outbox.conf import outbox_settings
 from django_outbox.consumer import Dispatcher, Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent, Status
@@ -251,6 +252,14 @@ class Transport(Protocol):
     def consume(self) -> Tally: ...
 
     def close(self) -> None: ...
+
+
+#: How the story names OUTBOX_MESSAGE_FORMAT (the environment variable of the same name).
+MESSAGE_FORMATS = {
+    "native": "native messages",
+    "cloudevents": "messages as CloudEvents (binary content mode)",
+    "cloudevents-structured": "messages as CloudEvents (structured, application/cloudevents+json)",
+}
 
 
 def receive(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
@@ -549,7 +558,8 @@ class Demo:
             transport = EmbeddedTransport(dispatcher)
         self.say(
             f"The transactional outbox, end to end: {self.orders} orders, "
-            f"{describe_database()}, {transport.description}."
+            f"{describe_database()}, {transport.description}, "
+            f"{MESSAGE_FORMATS.get(outbox_settings.MESSAGE_FORMAT, 'messages')}."
             + (f" The database was migrated first ({migrated} migrations)." if migrated else ""),
             indent="",
         )
