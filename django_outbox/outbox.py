@@ -255,8 +255,9 @@ def build_event(
                 f"headers may not use the names {clash}: the relay sets aggregate_type, "
                 "aggregate_id, occurred_at, attempt, sequence and previous_sequence from "
                 "the event, and the broker and the consumer count deliveries in "
-                "x-delivery-count, x-death and x-outbox-* headers. Rename your headers "
-                "(e.g. prefix them with your service name)."
+                "x-delivery-count, x-death and x-outbox-* headers; cloudEvents:* and "
+                "cloudEvents_* headers would read as CloudEvents attributes. Rename your "
+                "headers (e.g. prefix them with your service name)."
             )
         header_values = json.loads(_serialise(dict(headers), "headers")[0])
         _check_amqp_table(header_values, "headers")

@@ -434,6 +434,14 @@ def test_the_consumers_delivery_count_header_is_reserved():
     assert not is_reserved_header("x-request-id")
 
 
+@pytest.mark.parametrize("name", ["cloudEvents:tenant", "cloudEvents_id"])
+def test_a_header_that_would_read_as_a_cloudevents_attribute_is_refused(name):
+    refused = pytest.raises(InvalidEvent, match="would read as CloudEvents attributes")
+    with refused, outbox.atomic() as box:
+        box.emit("X", payload={}, headers={name: "acme"})
+    assert not OutboxEvent.objects.exists()
+
+
 def test_text_that_only_looks_like_an_escaped_nul_is_kept():
     payload = {"backslash-u": "\\u0000", "two backslashes then it": "\\\\u0000"}
     with outbox.atomic() as box:
