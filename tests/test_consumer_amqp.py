@@ -271,6 +271,7 @@ def test_json_prints_the_totals_as_one_object_instead_of_the_summary(broker, set
         "messages": 2,
         "outcomes": {o.value: {"processed": 1, "duplicate": 1}.get(o.value, 0) for o in Outcome},
         "dead_lettered": 0,
+        "formats": {"native": 2, "cloudevents": 0, "cloudevents-structured": 0},
     }
 
 
