@@ -104,6 +104,7 @@ def test_an_event_without_aggregate_has_no_subject():
 
 
 def test_the_default_source_is_the_project_and_the_setting_overrides_it(settings):
+    settings.OUTBOX_CLOUDEVENTS_SOURCE = ""  # the testproject sets one
     settings.SETTINGS_MODULE = "mysite.settings.production"
     assert default_source() == "/mysite"
     settings.OUTBOX_CLOUDEVENTS_SOURCE = "https://orders.example.com"
