@@ -15,7 +15,7 @@ import pytest
 from demo import backends
 from demo.backends import DemoRelayBackend
 from demo.broker import InProcessBroker, InProcessBrokerBackend
-from demo.scenario import Figures, Tally, reconcile
+from demo.scenario import MESSAGE_FORMATS, Figures, Tally, reconcile
 from django_outbox import outbox
 from django_outbox.backends.base import BaseBackend, BrokerUnavailable, PublishResult
 from django_outbox.consumer import ConsumeResult, Outcome
@@ -71,6 +71,7 @@ def test_embedded_demo_migrates_a_fresh_database_and_reconciles(tmp_path):
     assert figure(out, "duplicates suppressed") == "15"
     assert figure(out, "messages handled") == "115"
     assert figure(out, "lost") == "0"
+    assert figure(out, "message formats") == "native=115"
     assert figure(out, "PENDING / SENT / DEAD") == "0 / 100 / 0"
     assert "OK: every order got its points exactly once" in prose
 
@@ -93,6 +94,8 @@ def test_embedded_demo_in_a_cloudevents_format(tmp_path, message_format, told):
     assert done.returncode == 0, done.stdout + done.stderr
     prose = " ".join(done.stdout.split())
     assert told in prose
+    handled = figure(done.stdout, "messages handled")
+    assert figure(done.stdout, "message formats") == f"{message_format}={handled}"
     assert figure(done.stdout, "points rows") == "30"
     assert figure(done.stdout, "lost") == "0"
     assert figure(done.stdout, "PENDING / SENT / DEAD") == "0 / 30 / 0"
@@ -126,14 +129,23 @@ def test_embedded_demo_exits_1_when_messages_are_lost(tmp_path):
 @pytest.mark.amqp
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor):
-    """The same story on this run's database (PostgreSQL or MariaDB) and real RabbitMQ."""
-    env = django_env(AMQP_URL=amqp_url, DJANGO_SETTINGS_MODULE="config.settings")
+@pytest.mark.parametrize("message_format", ["native", "cloudevents"])
+def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor, message_format):
+    """The same story on this run's database (PostgreSQL or MariaDB) and real RabbitMQ,
+    the relays publishing native messages or CloudEvents for consume_outbox to read."""
+    env = django_env(
+        AMQP_URL=amqp_url,
+        DJANGO_SETTINGS_MODULE="config.settings",
+        OUTBOX_MESSAGE_FORMAT=message_format,
+    )
     done = run_demo("--orders", "40", "--duplicates", "3", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     prose = " ".join(out.split())  # the story is wrapped at 92 columns
     assert "RabbitMQ at amqp://guest:***@" in prose
+    assert MESSAGE_FORMATS[message_format] in prose
+    # Counted by consume_outbox (--json) and the demo's own crashed consumer alike.
+    assert figure(out, "message formats") == f"{message_format}={figure(out, 'messages handled')}"
     assert "consume_outbox (a child process)" in prose
     assert figure(out, "orders created") == "40"
     assert figure(out, "points rows") == "40"
@@ -210,11 +222,18 @@ def test_reconcile_names_what_does_not_add_up(changes, expected):
 def test_tally_reads_the_consume_outbox_totals():
     result = ConsumeResult()
     outcomes = [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2 + [Outcome.FAILED]
-    for outcome in [*outcomes, Outcome.UNDECODABLE]:
-        result.add(outcome)
+    for outcome in outcomes:
+        result.add(outcome, "cloudevents")
+    result.add(Outcome.UNDECODABLE)
     result.dead_lettered = 1
     tally = Tally.from_totals(json.loads(json.dumps(result.as_dict())))  # as --json prints it
-    assert tally == Tally(handled=8, processed=4, duplicates=2, failed=1, other=1)
+    assert tally == Tally(
+        handled=8, processed=4, duplicates=2, failed=1, other=1, formats={"cloudevents": 7}
+    )
+    assert (tally + Tally(formats={"native": 1, "cloudevents": 1})).formats == {
+        "cloudevents": 8,
+        "native": 1,
+    }
 
 
 @pytest.mark.once

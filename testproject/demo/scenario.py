@@ -78,8 +78,12 @@ class Tally:
     duplicates: int = 0
     failed: int = 0
     other: int = 0  # unknown type, undecodable
+    #: Decoded messages by the format they came in (OUTBOX_MESSAGE_FORMAT of the relays).
+    formats: dict[str, int] = field(default_factory=dict)
 
-    def add(self, outcome: Outcome, n: int = 1) -> None:
+    def add(self, outcome: Outcome, n: int = 1, message_format: str = "") -> None:
+        if message_format and n:
+            self.formats[message_format] = self.formats.get(message_format, 0) + n
         self.handled += n
         if outcome is Outcome.PROCESSED:
             self.processed += n
@@ -97,6 +101,10 @@ class Tally:
             self.duplicates + other.duplicates,
             self.failed + other.failed,
             self.other + other.other,
+            {
+                k: self.formats.get(k, 0) + other.formats.get(k, 0)
+                for k in {*self.formats, *other.formats}
+            },
         )
 
     @classmethod
@@ -105,6 +113,9 @@ class Tally:
         tally = cls()
         for value, n in totals["outcomes"].items():
             tally.add(Outcome(value), n)
+        for name, n in totals.get("formats", {}).items():
+            if n:
+                tally.formats[name] = n
         if tally.handled != totals["messages"]:
             raise DemoError(f"consume_outbox's totals do not add up: {totals!r}")
         return tally
@@ -262,10 +273,10 @@ MESSAGE_FORMATS = {
 }
 
 
-def receive(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
+def receive(dispatcher: Dispatcher, delivery: Delivery, tally: Tally) -> Outcome:
     """The consumer's own path (``Consumer.handle_delivery`` runs it too), minus settling
-    with the broker: the demo acknowledges, or crashes before it does."""
-    outcome, _results = dispatcher.receive(
+    with the broker: the demo acknowledges, or crashes before it does. Counted in ``tally``."""
+    outcome, results = dispatcher.receive(
         delivery.body,
         message_id=delivery.message_id,
         message_type=delivery.type,
@@ -273,6 +284,7 @@ def receive(dispatcher: Dispatcher, delivery: Delivery) -> Outcome:
         redelivered=delivery.redelivered,
         content_type=delivery.content_type,
     )
+    tally.add(outcome, message_format=results[0].message_format if results else "")
     return outcome
 
 
@@ -309,15 +321,14 @@ class EmbeddedTransport:
             delivery = self.broker.get()
             if delivery is None:
                 break
-            tally.add(receive(self.dispatcher, delivery))  # committed, not acked
+            receive(self.dispatcher, delivery, tally)  # committed, not acked
         self.broker.recover()  # the connection drops: what was not acked goes back
         return tally, lost
 
     def consume(self) -> Tally:
         tally = Tally()
         while (delivery := self.broker.get()) is not None:
-            outcome = receive(self.dispatcher, delivery)
-            tally.add(outcome)
+            outcome = receive(self.dispatcher, delivery, tally)
             if outcome.acknowledge:
                 self.broker.ack(delivery.tag)
             else:
@@ -412,7 +423,7 @@ class RabbitTransport:
                     redelivered=method.redelivered,
                     content_type=props.content_type or "",
                 )
-                tally.add(receive(self.dispatcher, delivery))  # committed, not acked
+                receive(self.dispatcher, delivery, tally)  # committed, not acked
         # The connection is closed with those messages unacknowledged: RabbitMQ requeues them.
         return tally, lost
 
@@ -738,6 +749,11 @@ class Demo:
                 f"{f.killed_batch} of the killed batch",
             ),
             ("lost", str(f.lost), "orders without points"),
+            (
+                "message formats",
+                " / ".join(f"{k}={v}" for k, v in sorted(f.consumer.formats.items())) or "-",
+                "as the consumer read them",
+            ),
             ("PENDING / SENT / DEAD", f"{f.pending} / {f.sent} / {f.dead}", ""),
         ]
         self.write("")
