@@ -19,6 +19,7 @@ FOUNDATION = {
     "exceptions",
     "masking",
     "message",
+    "formats",
     "db",
     "worker",
     "retry",
