@@ -35,6 +35,9 @@ class Codes:
     CELERY_NO_CONFIRMS = "django_outbox.E013"
     ORDERED_DEAD_HEAD = "django_outbox.E014"  # split from E009, which named two problems
     CELERY_APP = "django_outbox.E015"  # split from E013, which named two problems
+    # Several broker nodes, reported by backends.pika.PikaBackend.check() (E005 each URL):
+    BROKER_URL_FORM = "django_outbox.E016"
+    BROKER_VHOSTS = "django_outbox.E017"
     MESSAGE_FORMAT = "django_outbox.E018"
     CLOUDEVENTS_SOURCE = "django_outbox.E019"
 
@@ -65,6 +68,11 @@ class Messages:
     RETENTION = (
         "OUTBOX_RETENTION_DAYS is {days}: sent rows are kept less than 3 days, too short to "
         "investigate an incident; purge_outbox refuses it without --force."
+    )
+    # Several broker nodes (E016 says conf.BROKER_URL_TYPE, the runtime error's words).
+    BROKER_VHOSTS = (
+        "The URLs of OUTBOX_BROKER_URL name different virtual hosts ({vhosts}): after a "
+        "failover the relay would publish to another vhost, where no consumer reads."
     )
     MESSAGE_FORMAT = "OUTBOX_MESSAGE_FORMAT must be one of {choices}, got {value!r}."
     CLOUDEVENTS_SOURCE = (
@@ -111,6 +119,14 @@ class Hints:
         "default) or another list of channels of docs/operations.md."
     )
     RETENTION = "Set OUTBOX_RETENTION_DAYS to 3 or more (default 7)."
+    BROKER_URL_FORM = (
+        "Set OUTBOX_BROKER_URL to one AMQP URL, or for a cluster to a list such as "
+        "['amqp://user:password@rabbit-1:5672/%2F', 'amqp://user:password@rabbit-2:5672/%2F']."
+    )
+    BROKER_VHOSTS = (
+        "Give every URL the same vhost (the nodes of one cluster share them), e.g. /%2F on "
+        "each for the vhost '/'."
+    )
     MESSAGE_FORMAT = (
         "Set OUTBOX_MESSAGE_FORMAT = 'native' (the default), 'cloudevents' (CloudEvents "
         "binary content mode) or 'cloudevents-structured' (docs/writing-events.md)."

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
+from .masking import split_urls
+
 PREFIX = "OUTBOX_"
 
 T = TypeVar("T")
@@ -67,6 +69,35 @@ BROKER_URL_EMPTY_HINT = (
 )
 
 
+def broker_urls(value: object) -> list[str]:
+    """The broker URLs of ``OUTBOX_BROKER_URL`` (or a ``broker_url`` option), in order.
+
+    One URL; a list or tuple of URLs; or one string with ``;`` between URLs, as Celery and
+    kombu write failover URLs (split where the next URL begins, so a ``;`` in a password
+    stays in it). Blank entries (a trailing ``;``) are left out; ``[]`` for an empty
+    setting. Anything else raises ``TypeError`` saying the accepted forms (system
+    check E016 reports the same before a worker starts).
+    """
+    if isinstance(value, str):
+        parts = [value]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+        wrong = next((v for v in parts if not isinstance(v, str)), None)
+        if wrong is not None:
+            kind = type(wrong).__name__
+            raise TypeError(BROKER_URL_TYPE.format(what=f"lists a value of type {kind}"))
+    else:
+        raise TypeError(BROKER_URL_TYPE.format(what=f"is of type {type(value).__name__}"))
+    return [url for part in parts for url in split_urls(part)]
+
+
+#: What a broker URL setting of the wrong type gets (broker_urls(), check E016).
+BROKER_URL_TYPE = (
+    "OUTBOX_BROKER_URL {what}: it must be an AMQP URL, a list of AMQP URLs, or one "
+    "string with ';' between URLs (e.g. 'amqp://u:p@rabbit-1/%2F;amqp://u:p@rabbit-2/%2F')."
+)
+
+
 class OutboxSettings:
     """The settings of django_outbox, with their defaults (``OUTBOX_`` + attribute name)."""
 
@@ -78,8 +109,10 @@ class OutboxSettings:
     BACKEND_OPTIONS: Setting[dict[str, Any]] = Setting(
         {}, "Extra keyword arguments passed to the backend class."
     )
-    BROKER_URL: Setting[str] = Setting(
-        "", "AMQP URL of RabbitMQ, e.g. amqp://user:password@rabbitmq:5672/%2F."
+    BROKER_URL: Setting[str | list[str]] = Setting(
+        "",
+        "AMQP URL of RabbitMQ, e.g. amqp://user:password@rabbitmq:5672/%2F; for a cluster, a "
+        "list of URLs or one string with ';' between them (failover, round robin).",
     )
     EXCHANGE: Setting[str] = Setting("outbox", "Name of the exchange events are published to.")
     EXCHANGE_TYPE: Setting[str] = Setting(

@@ -50,7 +50,7 @@ from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from .db import database_answers, tidy_connections
 from .exceptions import OutboxError, error_text
 from .message import FORMATS, ReceivedEvent, UndecodableMessage, decode
-from .worker import Backoff, keep_running
+from .worker import Backoff, BrokerNodes, keep_running
 
 if TYPE_CHECKING:
     from .backends.locmem import Message
@@ -666,7 +666,7 @@ class Consumer:
         self,
         *,
         handlers: Iterable[str | type[IdempotentHandler]] | None = None,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         queue: str | None = None,
         exchange: str | None = None,
         exchange_type: str | None = None,
@@ -683,8 +683,12 @@ class Consumer:
                 "No handlers to run: set OUTBOX_CONSUMER_HANDLERS, pass --handler, or define "
                 "IdempotentHandler subclasses in an installed app's handlers.py."
             )
-        self.url = url or outbox_settings.BROKER_URL
-        if not self.url:
+        try:
+            # One URL, or the nodes of a cluster: the first that answers is read from.
+            self.nodes = BrokerNodes(url or outbox_settings.BROKER_URL)
+        except TypeError as exc:
+            raise ImproperlyConfiguredHandler(str(exc)) from exc
+        if not self.nodes:
             raise ImproperlyConfiguredHandler(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
         self.queue = queue or default_queue_name(self.dispatcher.handler_classes)
         self.dead_letter_queue = dead_letter_queue_name(self.queue)
@@ -703,13 +707,37 @@ class Consumer:
         self.idle_timeout = idle_timeout
         self._connection: Any = None
         self._channel: Any = None
+        self._node = ""  # the node connected to, for log lines (password masked)
+
+    @property
+    def url(self) -> str:
+        """The URL of the broker node connected to, or to be tried next."""
+        return self.nodes.current
 
     # -- connection --------------------------------------------------------------------------
     def connect(self) -> None:
+        """Connect to the first broker node that answers, from the current one on, declare
+        the queue, its dead-letter queue and the bindings. Raises pika's
+        ``AMQPConnectionError`` when every node has failed in this round."""
         import pika
+        import pika.exceptions
 
-        params = pika.URLParameters(self.url)
-        self._connection = pika.BlockingConnection(params)
+        self.nodes.start()
+        while True:
+            node = self.nodes.name()
+            try:
+                self._connection = pika.BlockingConnection(pika.URLParameters(self.nodes.current))
+                break
+            except pika.exceptions.AMQPConnectionError as exc:
+                if not self.nodes.failed():
+                    raise
+                logger.warning(
+                    "cannot connect to RabbitMQ at %s (%s); trying the next node, %s",
+                    node,
+                    error_text(exc),
+                    self.nodes.name(),
+                )
+        self._node = node
         channel = self._connection.channel()
         channel.confirm_delivery()  # classic-queue requeues are published: confirm them
         if not outbox_settings.EXCHANGE_PASSIVE and self.exchange:
@@ -722,12 +750,13 @@ class Consumer:
         channel.basic_qos(prefetch_count=self.prefetch)
         self._channel = channel
         logger.info(
-            "consuming %s (%s, dead letters to %s) bound to %s on exchange %s",
+            "consuming %s (%s, dead letters to %s) bound to %s on exchange %s at %s",
             self.queue,
             self.queue_type,
             self.dead_letter_queue,
             self.dispatcher.routing_keys(),
             self.exchange,
+            node,
         )
 
     def close(self) -> None:
@@ -748,7 +777,8 @@ class Consumer:
     ) -> ConsumeResult:
         """Consume until ``stop`` is set, ``max_messages`` were handled, or (``until_idle``)
         the queue stayed empty for ``idle_timeout`` seconds. Reconnects after a lost
-        connection, with a growing pause."""
+        connection: to the next broker node at once while some node has not failed in this
+        round, else after a growing pause (:class:`~django_outbox.worker.BrokerNodes`)."""
         import pika.exceptions
 
         stop = stop or threading.Event()
@@ -761,13 +791,19 @@ class Consumer:
                 backoff.reset()
             return self._consume(stop, result, max_messages, until_idle)
 
+        def fail_over(exc: Exception) -> bool:
+            # A connection that was open is lost: the next one goes to the next node. One
+            # that could not be opened: connect() has been through every node already.
+            return self._connection is not None and self.nodes.failed()
+
         def lost(exc: Exception, pause: float) -> None:
+            where = f" to {self._node}" if self._connection is not None else ""
             self.close()
+            then = (
+                f"reconnecting in {pause:.1f}s" if pause else f"failing over to {self.nodes.name()}"
+            )
             logger.warning(
-                "broker connection lost (%s: %s); reconnecting in %.1fs",
-                type(exc).__name__,
-                exc,
-                pause,
+                "broker connection%s lost (%s: %s); %s", where, type(exc).__name__, exc, then
             )
 
         try:
@@ -777,6 +813,7 @@ class Consumer:
                 backoff=backoff,
                 on_error=lost,
                 recoverable=pika.exceptions.AMQPError,
+                fail_over=fail_over,
             )
         finally:
             self.close()

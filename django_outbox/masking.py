@@ -8,11 +8,23 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 MASK = "***"
 
 
+#: Where the next URL of a ``;``-separated list (kombu's failover form) begins: a ``;``
+#: followed by a scheme. A ``;`` inside a password is not followed by one.
+_NEXT_URL = re.compile(r";(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
+def split_urls(text: str) -> list[str]:
+    """``"amqp://a/%2F;amqp://b/%2F"`` -> the two URLs: split before each ``;`` that starts
+    another URL, each stripped of spaces and stray ``;``; blank entries left out."""
+    return [url for part in _NEXT_URL.split(text) if (url := part.strip().strip(";").strip())]
+
+
 def mask_url(url: str) -> str:
     """The URL with its password replaced by ``***``; everything else is kept.
 
     ``amqp://app:s3cret@rabbitmq:5672/%2F`` becomes ``amqp://app:***@rabbitmq:5672/%2F``.
-    Works for any ``scheme://user:password@host`` URL (AMQP, PostgreSQL, MySQL, Redis).
+    Works for any ``scheme://user:password@host`` URL (AMQP, PostgreSQL, MySQL, Redis), and
+    for several URLs joined by ``;`` (each is masked, see :func:`split_urls`).
 
     The credentials are everything before the last ``@``, not what ``urlsplit`` calls the
     netloc: a password with an unescaped ``/``, ``?`` or ``#`` (``amqp://u:2024/pw@h/``)
@@ -21,6 +33,8 @@ def mask_url(url: str) -> str:
     """
     if not url:
         return url
+    if _NEXT_URL.search(url):
+        return ";".join(mask_url(part) for part in _NEXT_URL.split(url))
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url

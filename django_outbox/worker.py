@@ -1,9 +1,12 @@
-"""What every long-running command shares: the run loop, its backoff, signals, heartbeat.
+"""What every long-running command shares: the run loop, its backoff, signals, heartbeat,
+and the broker nodes it connects to.
 
 ``publish_outbox`` (the relay) and ``consume_outbox`` (the consumer) are both a loop that
 must never die on a transient failure (a broker restart, a database failover) and must stop
 cleanly when Kubernetes sends SIGTERM. The loop is :func:`keep_running`: it calls one step
-after another, and after a failure waits a growing pause (:class:`Backoff`) before the next.
+after another, and after a failure waits a growing pause (:class:`Backoff`) before the next,
+unless the failure was a broker node's and another node is left to try
+(:class:`BrokerNodes`): then it tries that one at once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .conf import broker_urls
+from .masking import mask_url
 
 #: ``manage.py <command> -v N`` -> the level of the ``django_outbox`` loggers.
 VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
@@ -40,6 +46,68 @@ class Backoff:
         self.current = 0.0
 
 
+class BrokerNodes:
+    """The broker nodes a worker connects to, and which one is next: the one place the relay's
+    backend and the consumer keep them.
+
+    ``OUTBOX_BROKER_URL`` names one node, or several (the nodes of a cluster, see
+    :func:`~django_outbox.conf.broker_urls`). A worker connects to :attr:`current`. When that
+    node does not answer, or a connection to it is lost, :meth:`failed` moves on to the next
+    one (round robin), which the worker tries at once. Once every node has failed since the
+    last pause (a *round*), ``failed()`` says so and the worker pauses with its backoff; the
+    next round starts at the node after the last one tried. With one URL every failure ends
+    a round, which is how a worker with a single broker has always behaved.
+
+    A connection that works for a while does not start a new round: nodes that fail in turn
+    (a flapping cluster) still get the pause after each of them has failed once.
+    """
+
+    def __init__(self, urls: object) -> None:
+        self.urls = broker_urls(urls)
+        self._index = 0
+        self._failed = 0  # nodes that failed in this round
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __str__(self) -> str:
+        """Every node, passwords masked: for a line that names what a worker may connect to."""
+        return "; ".join(mask_url(url) for url in self.urls)
+
+    @property
+    def current(self) -> str:
+        """The URL to connect to now (``""`` when there is none)."""
+        return self.urls[self._index] if self.urls else ""
+
+    @property
+    def masked(self) -> str:
+        """The current URL with its password masked."""
+        return mask_url(self.current)
+
+    def name(self) -> str:
+        """The current node for a log line: the masked URL and, with several, which one."""
+        if len(self.urls) < 2:
+            return self.masked
+        return f"{self.masked} (node {self._index + 1} of {len(self.urls)})"
+
+    def start(self) -> None:
+        """Before connecting: if the last round ended (every node failed, the worker has
+        paused since), a new one begins."""
+        if self._failed >= len(self.urls):
+            self._failed = 0
+
+    def failed(self) -> bool:
+        """The current node did not answer, or the connection to it was lost: move on to the
+        next. True: that node has not failed in this round, connect to it at once. False:
+        every node has failed since the last pause (or there is one): pause first. Once a
+        round is over, calling it again changes nothing until :meth:`start`."""
+        if self._failed >= len(self.urls):
+            return False
+        self._failed += 1
+        self._index = (self._index + 1) % len(self.urls)
+        return self._failed < len(self.urls)
+
+
 def keep_running(
     stop: threading.Event,
     step: Callable[[], bool],
@@ -47,6 +115,7 @@ def keep_running(
     backoff: Backoff,
     on_error: Callable[[Exception, float], None],
     recoverable: type[Exception] | tuple[type[Exception], ...] = Exception,
+    fail_over: Callable[[Exception], bool] | None = None,
 ) -> None:
     """Call ``step()`` until it returns True (the run is over) or ``stop`` is set.
 
@@ -54,6 +123,10 @@ def keep_running(
     (log it, close what it broke), then tried again after ``pause`` seconds, the backoff's
     next; ``stop`` cuts the pause short. A step that returns resets the backoff. Any other
     error propagates.
+
+    ``fail_over(exc)`` is asked first: True means the error was a broker node's and the
+    worker has moved on to another node not yet tried in this round (:meth:`BrokerNodes.failed`),
+    so the step is tried again at once (``pause`` 0) and the backoff does not grow.
     """
     while not stop.is_set():
         try:
@@ -62,6 +135,9 @@ def keep_running(
         except recoverable as exc:
             if stop.is_set():
                 return
+            if fail_over is not None and fail_over(exc):
+                on_error(exc, 0.0)
+                continue
             pause = backoff.next()
             on_error(exc, pause)
             stop.wait(pause)

@@ -438,3 +438,122 @@ def test_relay_marks_rows_sent_only_when_confirmed(broker: Broker) -> None:
     paid = OutboxEvent.objects.get(event_type="ORDER_PAID")
     assert paid.retry_count == 1 and "[unroutable]" in paid.last_error
     assert len(broker.get_all(queue, 3)) == 3
+
+
+# -- several broker nodes ------------------------------------------------------------------
+def _node(broker: Broker) -> tuple[TcpProxy, str]:
+    """A loopback proxy in front of the broker, standing for one node of a cluster."""
+    proxy, url = TcpProxy.for_url(broker.url)
+    return proxy, url
+
+
+def test_connects_to_the_first_node_that_answers_and_names_it(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = f"amqp://app:s3cret@127.0.0.1:{_closed_port()}/%2F"
+    queue = broker.declare_queue("#")
+    caplog.set_level("INFO", logger="django_outbox")
+    # kombu's form: one string, ";" between the URLs.
+    with backend_for(broker, f"{dead};{broker.url}") as backend:
+        assert [r.ok for r in backend.publish(wire_rows(2))] == [True, True]
+        assert backend.masked_url == mask_url(broker.url)
+    assert len(broker.get_all(queue, 2)) == 2
+    text = caplog.text
+    assert "s3cret" not in text
+    assert "cannot connect to RabbitMQ at amqp://app:***@127.0.0.1:" in text
+    assert f"trying the next node, {mask_url(broker.url)} (node 2 of 2)" in text
+    assert f"connected to {mask_url(broker.url)} (node 2 of 2)" in text
+
+
+def test_no_node_answering_names_each_and_pauses(broker: Broker) -> None:
+    urls = [f"amqp://app:s3cret@127.0.0.1:{_closed_port()}/%2F" for _ in range(2)]
+    backend = backend_for(broker, urls, connect_timeout=3)
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable) as info:
+        backend.open()
+    assert time.monotonic() - started < 3
+    said = str(info.value)
+    assert "cannot connect to any RabbitMQ node of OUTBOX_BROKER_URL" in said
+    assert said.count("amqp://app:***@127.0.0.1:") == 2
+    assert "s3cret" not in said
+    # Every node failed in this round: the relay pauses instead of trying again at once.
+    assert backend.next_node() is False
+    backend.close()
+
+
+def test_a_lost_node_is_left_for_the_next_once_its_batch_is_settled(broker: Broker) -> None:
+    """Node A is cut with a batch in flight: its rows are CONNECTION_LOST (released by the
+    relay); next_node() moves on at once and the next batch goes through node B.
+    When B is lost too, every node has failed: next_node() says to pause, and the round
+    after the pause starts again at A."""
+    queue = broker.declare_queue("#")
+    node_a, url_a = _node(broker)
+    node_b, url_b = _node(broker)
+    backend = backend_for(broker, [url_a, url_b])
+    try:
+        backend.open()
+        assert backend.masked_url == mask_url(url_a)
+        node_a.pause()  # A's confirms are held back: the batch is in flight when A dies
+        backend.send(wire_rows(30))
+        node_a.refuse()
+        node_a.cut()
+        results = backend.wait()
+        assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
+        assert backend.next_node() is True
+        backend.close()
+        before = node_b.downstream_bytes
+        again = backend.publish(wire_rows(4, start=1000))
+        assert [r.ok for r in again] == [True] * 4
+        assert backend.masked_url == mask_url(url_b)
+        assert node_b.downstream_bytes > before
+        node_a.resume()
+        node_a.allow()
+        node_b.refuse()
+        node_b.cut()
+        # B is gone too, and A has failed in this round already: no node is left to try.
+        with pytest.raises(BrokerUnavailable, match=r"127\.0\.0\.1:\d+/%2F \(node 2 of 2\)"):
+            backend.publish(wire_rows(1, start=2000))
+        assert backend.next_node() is False  # pause first
+        backend.close()
+        assert [r.ok for r in backend.publish(wire_rows(2, start=3000))] == [True, True]
+        assert backend.masked_url == mask_url(url_a)
+    finally:
+        backend.close()
+        node_a.close()
+        node_b.close()
+    # The 30 may have reached the queue before A died (they would be published again).
+    assert len(broker.get_all(queue, 36, timeout=3)) >= 6
+
+
+def test_check_validates_every_url() -> None:
+    good = "amqp://u:p@rabbit-1:5672/%2F"
+    with override_settings(
+        OUTBOX_BROKER_URL=[good, "http://u:hunter2@rabbit-2/", "amqp://u:p@rabbit-3:5672/%2F"],
+        OUTBOX_BACKEND_OPTIONS={},
+    ):
+        [error] = PikaBackend.check()
+    assert error.id == Codes.BROKER_URL
+    assert "entry 2 of 3, 'http://u:***@rabbit-2/', is not an amqp" in error.msg
+    for value in (f"{good};amqp://u:p@rabbit-2:5672/%2F", [good, "amqp://u:p@rabbit-2/"]):
+        with override_settings(OUTBOX_BROKER_URL=value, OUTBOX_BACKEND_OPTIONS={}):
+            assert PikaBackend.check() == []  # amqp://host/ is the vhost "/" as well
+
+
+@pytest.mark.parametrize("value", [5, None, ["amqp://rabbit-1/", 5]])
+def test_check_reports_a_broker_url_of_another_type(value: object) -> None:
+    with override_settings(OUTBOX_BROKER_URL=value, OUTBOX_BACKEND_OPTIONS={}):
+        [error] = PikaBackend.check()
+    assert error.id == Codes.BROKER_URL_FORM == "django_outbox.E016"
+    assert "a list of AMQP URLs" in error.msg
+    assert "amqp://user:password@rabbit-1:5672/%2F" in error.hint
+
+
+def test_check_reports_urls_that_name_different_vhosts() -> None:
+    with override_settings(
+        OUTBOX_BROKER_URL="amqp://u:p@rabbit-1/%2F;amqp://u:p@rabbit-2/orders",
+        OUTBOX_BACKEND_OPTIONS={},
+    ):
+        [error] = PikaBackend.check()
+    assert error.id == Codes.BROKER_VHOSTS == "django_outbox.E017"
+    assert "'/', 'orders'" in error.msg
+    assert "same vhost" in error.hint

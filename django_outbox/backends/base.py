@@ -89,7 +89,8 @@ class BaseBackend(abc.ABC):
     The relay may send the next batch before it waits for the previous one, and between
     the calls it settles earlier batches and claims the next, so its database work and the
     broker's overlap. :meth:`open` and :meth:`close` manage the connection and must be safe
-    to call more than once. A backend is used by one thread.
+    to call more than once; a backend that knows several broker nodes (a cluster) moves on
+    to the next when the relay calls :meth:`next_node`. A backend is used by one thread.
 
     A backend that publishes a batch and waits for it in one call derives from
     :class:`SyncBackend` instead and implements :meth:`SyncBackend.publish` only.
@@ -141,6 +142,18 @@ class BaseBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027
         """Disconnect, waiting for nothing; safe to call when not open."""
+
+    def next_node(self) -> bool:
+        """The relay lost the broker (a connection lost under a batch, or none could be
+        opened): move on to the next broker node, if the backend knows several.
+
+        True: connect to that node at once, it has not failed since the relay last paused.
+        False: pause with the relay's backoff first (every node has failed in turn, or there
+        is one). Called after the relay has settled what the lost connection confirmed and
+        before it closes the backend. The default, False, suits a backend with one broker or
+        whose client library fails over by itself (Celery's kombu).
+        """
+        return False
 
     def __enter__(self: _Backend) -> _Backend:
         self.open()

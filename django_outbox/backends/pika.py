@@ -37,8 +37,9 @@ from pika import spec
 from pika.adapters.select_connection import SelectConnection
 
 from .._compat.pika import CoalescingConnection, HandTurnedLoop
-from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
-from ..masking import mask_url
+from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
+from ..masking import mask_url, mask_urls_in
+from ..worker import BrokerNodes
 from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
 
 if TYPE_CHECKING:
@@ -74,12 +75,13 @@ class PikaBackend(AmqpBackend):
     def __init__(
         self,
         *,
-        broker_url: str | None = None,
+        broker_url: str | Sequence[str] | None = None,
         **options: Any,  # exchange_type, exchange_passive, ...: see AmqpBackend
     ) -> None:
         super().__init__(**options)
         self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
-        self.masked_url = mask_url(self.broker_url)
+        # One URL, or the nodes of a cluster: connect to the first that answers.
+        self.nodes = BrokerNodes(self.broker_url)
 
         self._loop: HandTurnedLoop | None = None
         self._connection: CoalescingConnection | None = None
@@ -92,53 +94,60 @@ class PikaBackend(AmqpBackend):
         # Batches written and not yet collected by wait(), oldest first (see _Batch).
         self._inflight: deque[_Batch] = deque()
 
+    @property
+    def masked_url(self) -> str:
+        """The URL of the node connected to (or to connect to next), password masked."""
+        return self.nodes.masked
+
     def __repr__(self) -> str:
-        return f"<PikaBackend {self.masked_url} exchange={self.exchange!r}>"
+        return f"<PikaBackend {self.nodes} exchange={self.exchange!r}>"
 
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes
+        from ..checks import Codes, Hints, Messages
 
         options = outbox_settings.BACKEND_OPTIONS or {}
-        url = options.get("broker_url") or outbox_settings.BROKER_URL
-        example = "amqp://user:password@rabbitmq:5672/%2F"
-        if not url:
-            return [Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)]
+        value = options.get("broker_url") or outbox_settings.BROKER_URL
         try:
-            scheme = urlsplit(url).scheme.lower()
-        except ValueError:
-            scheme = ""
-        problem = ""
-        if scheme not in SCHEMES:
-            problem = "is not an amqp:// or amqps:// URL"
-        else:
-            try:
-                pika.URLParameters(url)
-            except Exception as exc:  # pika raises several types for bad URLs
-                problem = f"cannot be parsed ({type(exc).__name__}: {exc})"
-        if problem:
-            return [
-                Error(
-                    f"OUTBOX_BROKER_URL {mask_url(url)!r} {problem}.",
-                    hint=f"Use the AMQP URL of RabbitMQ, e.g. '{example}' "
-                    "(amqps:// for TLS; the vhost '/' is written %2F).",
-                    id=Codes.BROKER_URL,
+            urls = broker_urls(value)
+        except TypeError as exc:
+            return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
+        if not urls:
+            return [Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)]
+        errors: list[CheckMessage] = []
+        vhosts: dict[str, None] = {}  # in the order of the URLs
+        for number, url in enumerate(urls, 1):
+            which = f"OUTBOX_BROKER_URL {mask_url(url)!r}"
+            if len(urls) > 1:
+                which = f"OUTBOX_BROKER_URL entry {number} of {len(urls)}, {mask_url(url)!r},"
+            problem, vhost = _url_problem(url)
+            if problem:
+                errors.append(
+                    Error(
+                        f"{which} {problem}.",
+                        hint="Use the AMQP URL of RabbitMQ, e.g. "
+                        "'amqp://user:password@rabbitmq:5672/%2F' (amqps:// for TLS; the "
+                        "vhost '/' is written %2F).",
+                        id=Codes.BROKER_URL,
+                    )
                 )
-            ]
-        return []
+            else:
+                vhosts[vhost] = None
+        if len(vhosts) > 1:
+            errors.append(
+                Error(
+                    Messages.BROKER_VHOSTS.format(vhosts=", ".join(map(repr, vhosts))),
+                    hint=Hints.BROKER_VHOSTS,
+                    id=Codes.BROKER_VHOSTS,
+                )
+            )
+        return errors
 
     # -- connection ------------------------------------------------------------------------
     def _parameters(self) -> pika.URLParameters:
-        if not self.broker_url:
-            raise BrokerUnavailable(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
-        try:
-            params = pika.URLParameters(self.broker_url)
-        except Exception as exc:
-            raise BrokerUnavailable(
-                f"OUTBOX_BROKER_URL {self.masked_url!r} is invalid ({exc}); "
-                "run `manage.py check` for the expected form."
-            ) from exc
+        """The current node's connection parameters; raises what pika raises for a bad URL."""
+        params = pika.URLParameters(self.nodes.current)
         # One attempt, bounded: the relay does the retrying and the backoff sleeping.
         params.connection_attempts = 1
         params.retry_delay = 0
@@ -149,19 +158,66 @@ class PikaBackend(AmqpBackend):
         return params
 
     def open(self) -> None:
-        """Connect, open a confirm-mode channel and declare the exchange (idempotent)."""
+        """Connect to the first broker node that answers, from the current one on, open a
+        confirm-mode channel and declare the exchange (idempotent)."""
         if self._ready and self._usable():
             return
-        params = self._parameters()
+        if not self.nodes:
+            raise BrokerUnavailable(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
         if self._loop is None:
             self._loop = HandTurnedLoop()
+        # The connection survived, only the channel was closed (a channel error): the node
+        # answers, so a new channel on it is all there is to try.
+        reopen = self._connection is not None and self._connection.is_open
+        self.nodes.start()
+        problems: list[str] = []
+        while True:
+            node = self.nodes.name()
+            started = time.monotonic()
+            problem = self._connect(reopen)
+            if not problem:
+                logger.info(
+                    "connected to %s (exchange %r, %.0f ms)",
+                    node,
+                    self.exchange,
+                    (time.monotonic() - started) * 1000,
+                )
+                return
+            problems.append(f"{node}: {problem}")
+            if reopen or not self.nodes.failed():
+                break
+            logger.warning(
+                "cannot connect to RabbitMQ at %s: %s; trying the next node, %s",
+                node,
+                problem,
+                self.nodes.name(),
+            )
+        where = "RabbitMQ at " if len(problems) == 1 else "any RabbitMQ node of OUTBOX_BROKER_URL: "
+        raise BrokerUnavailable(
+            f"cannot connect to {where}{'; '.join(problems)}. Check that the broker is running "
+            "and OUTBOX_BROKER_URL (host, port, vhost, credentials) is right; the relay "
+            "retries with backoff."
+        )
+
+    def _connect(self, reopen: bool) -> str:
+        """Open a connection to the current node (or, with ``reopen``, a new channel on the
+        connection that is open), a confirm-mode channel, the exchange; ``""`` once ready,
+        else why not."""
         self._ready = False
         self._open_error = ""
-        if self._connection is not None and self._connection.is_open:
-            # The connection survived, only the channel was closed (a channel error).
+        assert self._loop is not None
+        if reopen:
+            assert self._connection is not None
             self._open_channel(self._connection)
         else:
             self._teardown()
+            try:
+                params = self._parameters()
+            except Exception as exc:  # pika raises several types for bad URLs
+                return (
+                    f"invalid URL ({mask_urls_in(str(exc))}); run `manage.py check` for the "
+                    "expected form"
+                )
             self._blocked = False
             self._connection = CoalescingConnection(
                 parameters=params,
@@ -170,23 +226,22 @@ class PikaBackend(AmqpBackend):
                 on_close_callback=self._on_connection_closed,
                 custom_ioloop=self._loop.ioloop,
             )
-        started = time.monotonic()
-        settled = self._run(lambda: self._ready or bool(self._open_error), self.connect_timeout)
-        if not self._ready:
-            error = self._open_error or f"no answer within {self.connect_timeout:g} s"
-            self._teardown()
-            raise BrokerUnavailable(
-                f"cannot connect to RabbitMQ at {self.masked_url}: {error}. Check that the "
-                "broker is running and OUTBOX_BROKER_URL (host, port, vhost, credentials) "
-                "is right; the relay retries with backoff."
-                + ("" if settled else " (connect timeout: OUTBOX_CONNECT_TIMEOUT)")
-            )
-        logger.info(
-            "connected to %s (exchange %r, %.0f ms)",
-            self.masked_url,
-            self.exchange,
-            (time.monotonic() - started) * 1000,
+        self._run(lambda: self._ready or bool(self._open_error), self.connect_timeout)
+        if self._ready:
+            return ""
+        self._teardown()
+        return (
+            self._open_error
+            or f"no answer within {self.connect_timeout:g} s (OUTBOX_CONNECT_TIMEOUT)"
         )
+
+    def next_node(self) -> bool:
+        """The relay lost this node: the next connection goes to the next one."""
+        lost = self.nodes.name()
+        at_once = self.nodes.failed()
+        if at_once:
+            logger.warning("RabbitMQ at %s is lost; failing over to %s", lost, self.nodes.name())
+        return at_once
 
     def close(self) -> None:
         self.abandon()
@@ -569,6 +624,20 @@ class _Batch:
             if self.results[index] is None:
                 self.results[index] = failure
                 self.unsettled -= 1
+
+
+def _url_problem(url: str) -> tuple[str, str]:
+    """What is wrong with one broker URL (``""`` if nothing), and the vhost it names."""
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError:
+        scheme = ""
+    if scheme not in SCHEMES:
+        return "is not an amqp:// or amqps:// URL", ""
+    try:
+        return "", pika.URLParameters(url).virtual_host
+    except Exception as exc:  # pika raises several types for bad URLs
+        return f"cannot be parsed ({type(exc).__name__}: {mask_urls_in(str(exc))})", ""
 
 
 def _describe(error: Any) -> str:

@@ -263,7 +263,10 @@ class Relay:
         """Relay until ``stop`` is set: drain, then sleep until woken or ``interval``.
 
         Never dies on a transient error (a broker or database outage): it backs off and
-        tries again; the liveness probe catches a relay that stops making progress.
+        tries again; the liveness probe catches a relay that stops making progress. A broker
+        node lost under a batch is left once the batch is settled: the backend moves on to
+        the next node (:meth:`BaseBackend.next_node`), tried at once until every node has
+        failed in turn, then with the backoff.
         """
         interval = outbox_settings.POLL_INTERVAL if interval is None else interval
         waker = waker or make_waker(self.using, stop)
@@ -294,19 +297,31 @@ class Relay:
             waker.wait(interval)
             return False
 
+        def fail_over(exc: Exception) -> bool:
+            # Settled already (the pipeline settles a lost batch before raising): the next
+            # connection may go to another node.
+            return isinstance(exc, BrokerOutage) and self.backend.next_node()
+
         def failed(exc: Exception, pause: float) -> None:
             if isinstance(exc, BrokerOutage):
                 self._close_backend()
-                logger.warning(
-                    "[%s] broker unavailable (%s); retrying in %.1fs", self.job, exc, pause
-                )
+                if pause:
+                    logger.warning(
+                        "[%s] broker unavailable (%s); retrying in %.1fs", self.job, exc, pause
+                    )
+                else:
+                    logger.warning(
+                        "[%s] broker unavailable (%s); trying the next broker node at once",
+                        self.job,
+                        exc,
+                    )
             else:  # the database went away or similar
                 logger.exception("[%s] relay pass failed; retrying in %.1fs", self.job, pause)
                 self._tidy()
 
         backoff = Backoff(maximum=outbox_settings.BROKER_BACKOFF_MAX)
         try:
-            keep_running(stop, one_pass, backoff=backoff, on_error=failed)
+            keep_running(stop, one_pass, backoff=backoff, on_error=failed, fail_over=fail_over)
         finally:
             waker.close()
             self._close_backend()

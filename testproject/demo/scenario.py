@@ -44,7 +44,7 @@ from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.migrations.executor import MigrationExecutor
 
-from django_outbox.conf import outbox_settings
+from django_outbox.conf import broker_urls, outbox_settings
 from django_outbox.consumer import Dispatcher, Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent, Status
@@ -383,7 +383,10 @@ class RabbitTransport:
     def _channel(self) -> Iterator[Any]:
         import pika
 
-        connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        # AMQP_URL may name several nodes ("amqp://...@a/vh;amqp://...@b/vh"): pika tries
+        # each in turn until one answers.
+        nodes = [pika.URLParameters(url) for url in broker_urls(self.url)]
+        connection = pika.BlockingConnection(nodes)
         try:
             yield connection.channel()
         finally:

@@ -12,9 +12,7 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from ...conf import outbox_settings
 from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
-from ...masking import mask_url
 from ...worker import configure_logging, stop_on_signals
 from ..errors import DatabaseCommand
 from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
@@ -136,9 +134,7 @@ class Command(DatabaseCommand):
         except ImproperlyConfiguredHandler as exc:
             raise CommandError(str(exc), returncode=2) from exc
         if verbosity >= 1:
-            self.stderr.write(
-                f"consume_outbox: {consumer.queue} on {mask_url(outbox_settings.BROKER_URL)}"
-            )
+            self.stderr.write(f"consume_outbox: {consumer.queue} on {consumer.nodes}")
         stop = threading.Event()
         with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
             result = consumer.run(stop=stop, max_messages=max_messages, until_idle=once)
