@@ -183,6 +183,33 @@ def test_cut_connection_reports_the_rest_connection_lost_then_reconnects(broker)
 
 
 @pytest.mark.once
+def test_several_broker_urls_are_left_to_kombus_failover(broker):
+    """What docs/celery.md says: the backend does not rotate nodes itself (next_node() is
+    False); kombu tries the app's URLs in turn on every connect, from the first."""
+    queue = broker.declare_queue("ORDER_CREATED")
+    node_a, url_a = TcpProxy.for_url(broker.url)
+    node_b, url_b = TcpProxy.for_url(broker.url)
+    try:
+        node_a.refuse()
+        backend = backend_for(broker, make_app(f"{url_a};{url_b}", task_queue(broker)))
+        assert all(r.ok for r in backend.publish(wire_rows(2)))
+        assert backend.next_node() is False
+        node_a.allow()
+        node_b.refuse()
+        node_b.cut()
+        assert {r.reason for r in backend.publish(wire_rows(1, start=2))} == {
+            Reason.CONNECTION_LOST
+        }
+        backend.close()  # what the relay does after an outage
+        assert all(r.ok for r in backend.publish(wire_rows(2, start=3)))  # through A again
+        backend.close()
+    finally:
+        node_a.close()
+        node_b.close()
+    assert len(broker.get_all(queue, 4)) == 4
+
+
+@pytest.mark.once
 def test_no_confirm_is_a_timeout_and_the_rest_is_not_sent(broker):
     broker.declare_queue("ORDER_CREATED")
     proxy, url = TcpProxy.for_url(broker.url)

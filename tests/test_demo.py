@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -129,12 +130,23 @@ def test_embedded_demo_exits_1_when_messages_are_lost(tmp_path):
 @pytest.mark.amqp
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("message_format", ["native", "cloudevents"])
-def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor, message_format):
+@pytest.mark.parametrize(
+    ("message_format", "nodes"),
+    [("native", "one"), ("cloudevents", "one"), ("native", "two, the first down")],
+)
+def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor, message_format, nodes):
     """The same story on this run's database (PostgreSQL or MariaDB) and real RabbitMQ,
-    the relays publishing native messages or CloudEvents for consume_outbox to read."""
+    the relays publishing native messages or CloudEvents for consume_outbox to read; also
+    with AMQP_URL naming two nodes, the first of which does not answer: the demo, its
+    relays and consume_outbox all connect to the second."""
+    url = amqp_url
+    if nodes != "one":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        url = f"amqp://guest:guest@127.0.0.1:{closed}/%2F;{amqp_url}"
     env = django_env(
-        AMQP_URL=amqp_url,
+        AMQP_URL=url,
         DJANGO_SETTINGS_MODULE="config.settings",
         OUTBOX_MESSAGE_FORMAT=message_format,
     )

@@ -155,9 +155,9 @@ def make_consumer(broker: Broker, handlers: Sequence[str] = (AWARD,), **options:
     """A Consumer of ``handlers`` on the broker's queue and exchange, connected: the queue,
     its dead-letter queue and the bindings are declared. No pause before a retry."""
     options.setdefault("retry_delay", 0)
+    options.setdefault("url", broker.url)
     consumer = Consumer(
         handlers=list(handlers),
-        url=broker.url,
         queue=broker.queue,
         exchange=broker.exchange,
         idle_timeout=0.5,
