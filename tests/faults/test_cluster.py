@@ -1,0 +1,136 @@
+"""A real three-node RabbitMQ cluster: one node stopped under a draining relay and consumer.
+
+Optional: it needs a cluster, which ``bash scripts/rabbitmq-cluster start`` runs on loopback
+ports (three nodes with their own names, ports, data directories and Erlang cookie) and
+whose output sets ``AMQP_CLUSTER`` (the nodes' URLs, ``;`` between them) and
+``AMQP_CLUSTER_STOP`` / ``AMQP_CLUSTER_START`` (a shell command that stops or starts node
+``{n}``, 1-based). Without them every test here is skipped. The TcpProxy scenarios of
+test_failover.py cover the same failover on every run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from django_outbox.conf import broker_urls
+from django_outbox.consumer import Consumer, Outcome
+from django_outbox.masking import mask_url
+from django_outbox.models import OutboxEvent
+from points.models import PointsLedger
+from tests.utils.amqp import AWARD, Broker
+from tests.utils.rows import unsaved_event
+from tests.utils.threads import db_thread
+from tests.utils.waiting import wait_for as wait_until
+
+from .harness import Processes, check_invariants, counts, emit, wait_for
+
+CLUSTER = broker_urls(os.environ.get("AMQP_CLUSTER", ""))
+QUORUM = {"x-queue-type": "quorum"}
+
+pytestmark = [
+    pytest.mark.amqp,
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        len(CLUSTER) < 3,
+        reason="needs a RabbitMQ cluster of three nodes: run `bash scripts/rabbitmq-cluster "
+        "start` and export what it prints (AMQP_CLUSTER, AMQP_CLUSTER_STOP/START)",
+    ),
+]
+
+
+def node(action: str, n: int) -> None:
+    command = os.environ[f"AMQP_CLUSTER_{action.upper()}"].format(n=n)
+    subprocess.run(command, shell=True, check=True, timeout=120)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Broker]:
+    """The test's exchange and queues on the cluster, through node 3 (never stopped)."""
+    broker = Broker(CLUSTER[2])
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def cluster_procs(tmp_path: Path, cluster: Broker) -> Iterator[Processes]:
+    p = Processes(tmp_path, cluster)
+    yield p
+    p.cleanup()
+
+
+def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(
+    cluster, cluster_procs, record
+):
+    """The relay publishes through node 1; node 1 is stopped (rabbitmqctl stop_app: its
+    connections are closed, new ones refused) while a backlog drains into a quorum queue.
+    The relay goes on through node 2; every event is in the queue once at least, none SENT
+    without a confirm, no attempt counted."""
+    # Declared through node 3: the queue's leader is there, and a majority stays up.
+    cluster.declare_queue("#", name=cluster.queue, durable=True, arguments=QUORUM)
+    emit(3000)
+    relay = cluster_procs.relay("--batch-size", "25", name="relay", BROKER_URL=CLUSTER)
+    try:
+        wait_for(
+            lambda: counts()["sent"] >= 300,
+            timeout=60,
+            what="draining through node 1",
+            processes=cluster_procs,
+            every=0.01,
+        )
+        node("stop", 1)
+        wait_for(
+            lambda: counts()["sent"] == 3000,
+            timeout=90,
+            what="draining through node 2",
+            processes=cluster_procs,
+        )
+        assert relay.stop() == 0, relay.tail()
+    finally:
+        node("start", 1)
+    log = relay.stderr()
+    assert f"connected to {mask_url(CLUSTER[1])} (node 2 of 3)" in log, relay.tail()
+    assert not OutboxEvent.objects.exclude(retry_count=0).exists()
+    check_invariants("cluster: node 1 stopped mid-drain", cluster, record, crashed=True)
+
+
+def test_a_node_stopped_under_the_consumer_it_goes_on_through_the_next(cluster):
+    """consume_outbox's loop declares its quorum queue and reads it through node 1 (the
+    queue's leader is there); node 1 is stopped: a new leader is elected among the other
+    two, the consumer reads on through node 2, and each event is handled once."""
+    consumer = Consumer(
+        handlers=[AWARD],
+        url=CLUSTER,
+        queue=cluster.queue,
+        exchange=cluster.exchange,
+        idle_timeout=0.2,
+        retry_delay=0,
+    )
+    assert consumer.arguments["x-queue-type"] == "quorum"
+    stop = threading.Event()
+    results = []
+    thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
+    thread.start()
+    try:
+        assert wait_until(lambda: consumer._channel is not None, timeout=30)
+        events = [unsaved_event(pk=n) for n in range(1, 21)]
+        for event in events[:10]:
+            cluster.publish(event)
+        assert wait_until(lambda: PointsLedger.objects.count() == 10, timeout=30)
+        node("stop", 1)
+        for event in events[10:]:
+            cluster.publish(event)
+        assert wait_until(lambda: PointsLedger.objects.count() == 20, timeout=60)
+        assert consumer.url == CLUSTER[1]
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        node("start", 1)
+    assert results[0].counts[Outcome.PROCESSED] == 20
+    assert PointsLedger.objects.count() == 20
