@@ -149,3 +149,18 @@ def test_keep_running_without_fail_over_pauses_on_every_failure():
         fail_over=lambda exc: False,
     )
     assert pauses == [0.01, 0.02]
+
+
+def test_a_broker_url_of_another_type_is_a_configuration_error_for_the_relay_and_consumer():
+    from django.test import override_settings
+
+    from django_outbox.backends.pika import PikaBackend
+    from django_outbox.consumer import Consumer, ImproperlyConfiguredHandler
+
+    with pytest.raises(ImproperlyConfiguredHandler, match="lists a value of type int"):
+        Consumer(handlers=["points.handlers.AwardPointsHandler"], url=[A, 5])
+    with (
+        override_settings(OUTBOX_BROKER_URL={"url": A}),
+        pytest.raises(TypeError, match="is of type dict"),  # publish_outbox: exit 2
+    ):
+        PikaBackend()
