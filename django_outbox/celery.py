@@ -36,7 +36,7 @@ from .message import ReceivedEvent, UndecodableMessage, decode_task_envelope
 if TYPE_CHECKING:
     from django.db import models
 
-    from .consumer import IdempotentHandler
+    from .consumer import IdempotentHandler, Outcome
 
 # Importable before django.setup() (a project's celery.py imports beat_schedule from here):
 # the consumer module, which defines a model, is imported when a task first runs.
@@ -88,8 +88,22 @@ class IdempotentTask(Task):
             logger.error("task %s: rejected to the dead-letter exchange: %s", self.name, exc)
             raise Reject(str(exc), requeue=False) from exc
         handler: Any = self.handler_class()(self, args, kwargs)  # type: ignore[call-arg]
+        outcome = self._process(handler, received)
+        if outcome is Outcome.DUPLICATE:
+            logger.info(
+                "task %s: %s %s is a duplicate; nothing done",
+                self.name,
+                received.event_type,
+                received.event_id,
+            )
+            return None
+        return handler.returned
+
+    def _process(self, handler: IdempotentHandler, received: ReceivedEvent) -> Outcome:
+        """``handler.process()``; a failure is retried with a growing pause, up to
+        ``max_retries`` times, then raised."""
         try:
-            outcome = handler.process(received)
+            return handler.process(received)
         except (Retry, Ignore, Reject, UndecodableMessage):
             raise
         except Exception as exc:
@@ -108,15 +122,6 @@ class IdempotentTask(Task):
                 exc,
             )
             raise self.retry(exc=exc, countdown=countdown) from exc
-        if outcome is Outcome.DUPLICATE:
-            logger.info(
-                "task %s: %s %s is a duplicate; nothing done",
-                self.name,
-                received.event_type,
-                received.event_id,
-            )
-            return None
-        return handler.returned
 
     @classmethod
     def handler_class(cls) -> type[IdempotentHandler]:
