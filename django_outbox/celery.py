@@ -31,6 +31,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.schedules import crontab
 
+from . import tracing
 from .message import ReceivedEvent, UndecodableMessage, decode_task_envelope
 
 if TYPE_CHECKING:
@@ -88,7 +89,13 @@ class IdempotentTask(Task):
             logger.error("task %s: rejected to the dead-letter exchange: %s", self.name, exc)
             raise Reject(str(exc), requeue=False) from exc
         handler: Any = self.handler_class()(self, args, kwargs)  # type: ignore[call-arg]
-        outcome = self._process(handler, received)
+        where = tracing.Delivery(
+            str(delivery.get("exchange") or ""),
+            str(delivery.get("routing_key") or ""),
+        )
+        with tracing.processing(received, self.name, where) as span:
+            outcome = self._process(handler, received, span)
+            span.outcome(outcome.value)
         if outcome is Outcome.DUPLICATE:
             logger.info(
                 "task %s: %s %s is a duplicate; nothing done",
@@ -99,7 +106,9 @@ class IdempotentTask(Task):
             return None
         return handler.returned
 
-    def _process(self, handler: IdempotentHandler, received: ReceivedEvent) -> Outcome:
+    def _process(
+        self, handler: IdempotentHandler, received: ReceivedEvent, span: tracing.ProcessSpan
+    ) -> Outcome:
         """``handler.process()``; a failure is retried with a growing pause, up to
         ``max_retries`` times, then raised."""
         try:
@@ -107,6 +116,7 @@ class IdempotentTask(Task):
         except (Retry, Ignore, Reject, UndecodableMessage):
             raise
         except Exception as exc:
+            span.exception(exc)  # the handler's error, not the Retry raised for it
             retries = self.request.retries or 0
             if self.request.called_directly or retries >= self.max_retries:
                 raise

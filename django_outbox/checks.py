@@ -40,6 +40,7 @@ class Codes:
     BROKER_VHOSTS = "django_outbox.E017"
     MESSAGE_FORMAT = "django_outbox.E018"
     CLOUDEVENTS_SOURCE = "django_outbox.E019"
+    TRACING_NO_API = "django_outbox.E022"
 
 
 class Messages:
@@ -78,6 +79,10 @@ class Messages:
     CLOUDEVENTS_SOURCE = (
         "OUTBOX_CLOUDEVENTS_SOURCE must be a URI-reference (text without spaces or control "
         "characters), got {value!r}."
+    )
+    TRACING_NO_API = (
+        "OUTBOX_TRACING is True but opentelemetry-api is not installed: no trace context is "
+        "captured and no span is recorded."
     )
 
 
@@ -134,6 +139,10 @@ class Hints:
     CLOUDEVENTS_SOURCE = (
         "Set OUTBOX_CLOUDEVENTS_SOURCE to a URI-reference naming the service, e.g. "
         "'/orders' or 'https://orders.example.com', or to '' for the default."
+    )
+    TRACING_NO_API = (
+        "Install the otel extra: pip install 'django-transactional-outbox[otel]' (and "
+        "configure the OpenTelemetry SDK), or remove OUTBOX_TRACING from the settings."
     )
 
 
@@ -395,3 +404,14 @@ def check_cloudevents_source(app_configs: Any = None, **kwargs: Any) -> list[Che
             id=Codes.CLOUDEVENTS_SOURCE,
         )
     ]
+
+
+@register()
+def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Tracing asked for explicitly without the library that records it (the default,
+    True, only means "when it is installed")."""
+    from . import tracing
+
+    if getattr(settings, PREFIX + "TRACING", None) is not True or tracing.AVAILABLE:
+        return []
+    return [Error(Messages.TRACING_NO_API, hint=Hints.TRACING_NO_API, id=Codes.TRACING_NO_API)]

@@ -243,6 +243,18 @@ class OutboxSettings:
         "quorum", "Queue type declared by consume_outbox: 'quorum' or 'classic'."
     )
 
+    # --- tracing (docs/tracing.md) ---------------------------------------------------------
+    TRACING: Setting[bool] = Setting(
+        True,
+        "With opentelemetry-api installed: emit() stores the active trace context with the "
+        "event, the relay and consumers record spans. False: neither.",
+    )
+    TRACING_CREATE_SPANS: Setting[bool] = Setting(
+        True,
+        "emit() records a 'create' span and stores its context; False: it stores the "
+        "active span's context itself.",
+    )
+
     @classmethod
     def names(cls) -> list[str]:
         """All setting names, with the ``OUTBOX_`` prefix."""

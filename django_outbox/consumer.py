@@ -46,6 +46,7 @@ from django.db import (
 from django.utils.module_loading import import_string
 from django.utils.translation import gettext_lazy as _
 
+from . import tracing
 from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from .db import database_answers, tidy_connections
 from .exceptions import OutboxError, error_text
@@ -349,6 +350,7 @@ class IdempotentHandler:
             event.event_id,
             event.attempt,
         )
+        tracing.current_exception(exc)
         error = error_text(exc)
         return HandlerResult(Outcome.FAILED, error=error, **result)
 
@@ -496,7 +498,9 @@ class Dispatcher:
             ]
         results = []
         for handler in handlers:
-            result = handler.run(event)
+            with tracing.processing(event, handler.handler_name()) as span:
+                result = handler.run(event)
+                span.outcome(result.outcome.value, result.error)
             log = logger.info if result.outcome is Outcome.DUPLICATE else logger.debug
             log(
                 "%s %s %s (%s): %s",
@@ -871,13 +875,16 @@ class Consumer:
         while True:
             tidy_connections()
             try:
-                return self.handle_delivery(
-                    channel,
-                    method,
-                    properties,
-                    body,
-                    hold_on_lost_connection=quick_losses < LOST_CONNECTION_RETRIES,
-                )
+                with tracing.delivery(
+                    method.exchange, method.routing_key, self.queue, method.delivery_tag
+                ):
+                    return self.handle_delivery(
+                        channel,
+                        method,
+                        properties,
+                        body,
+                        hold_on_lost_connection=quick_losses < LOST_CONNECTION_RETRIES,
+                    )
             except DatabaseUnavailable as exc:
                 lost = exc
             finally:

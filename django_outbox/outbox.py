@@ -27,6 +27,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, models, transaction
 from django.utils import timezone
 
+from . import tracing
 from ._compat.django import innermost_atomic
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
@@ -290,7 +291,7 @@ def build_event(
             "time in TIME_ZONE)."
         )
 
-    return OutboxEvent.objects.new_pending(
+    event = OutboxEvent.objects.new_pending(
         event_id=event_id,
         aggregate_type=agg_type,
         aggregate_id=agg_id,
@@ -301,6 +302,10 @@ def build_event(
         headers=header_values,
         occurred_at=occurred_at,
     )
+    # Here, at emit time, not at relay time: each event keeps the context of the request
+    # that wrote it, however its batch is made up later.
+    tracing.capture(event)
+    return event
 
 
 def _require_transaction(using: str) -> None:

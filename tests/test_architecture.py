@@ -24,6 +24,7 @@ FOUNDATION = {
     "worker",
     "retry",
     "_compat",
+    "tracing",
 }
 #: The models and the row's lifecycle: the foundation and each other only.
 DATA = {"ordering", "querysets", "models"}
@@ -32,6 +33,8 @@ LIBRARIES = {
     "pika": {"backends.pika", "_compat.pika", "consumer"},
     "celery": {"backends.celery", "celery", "tasks"},
     "kombu": {"backends.celery"},
+    # The otel extra: emit(), the relay and the consumers call tracing, which alone imports it.
+    "opentelemetry": {"tracing"},
 }
 
 

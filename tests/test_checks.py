@@ -24,6 +24,7 @@ from django_outbox.checks import (
     check_retry_schedule,
     check_skip_locked,
     check_sqlite,
+    check_tracing,
     check_unknown_settings,
 )
 
@@ -40,6 +41,7 @@ SETTINGS_CHECKS = [
     check_unknown_settings,
     check_message_format,
     check_cloudevents_source,
+    check_tracing,
 ]
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ...backends.base import PublishResult
     from ...models import OutboxEvent
+    from ..tracing import PublishSpans
 
 
 class Stage(enum.Enum):
@@ -36,6 +37,7 @@ class Batch:
     claimed_at: float  # time.monotonic()
     stage: Stage = Stage.CLAIMED
     results: list[PublishResult] | None = None
+    spans: PublishSpans | None = None  # tracing: ended at collect() or release()
 
     @classmethod
     def empty(cls) -> Batch:

@@ -32,7 +32,7 @@ from typing import Any
 
 from django.db import connections, transaction
 
-from .. import metrics
+from .. import metrics, tracing
 from ..backends import get_backend
 from ..backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
 from ..conf import outbox_settings
@@ -141,6 +141,7 @@ class Relay:
     def send(self, batch: Batch) -> Batch:
         """Hand the batch to the backend; its results are collected later."""
         batch.stage = Stage.SENT
+        batch.spans = tracing.start_publish(batch.rows, self.backend)
         batch.results = self._call_backend(batch, self._send_rows, batch.rows)
         return batch
 
@@ -155,6 +156,8 @@ class Relay:
                 f"{len(batch.rows)} events; a backend must return one result per event."
             )
         batch.stage = Stage.COLLECTED
+        if batch.spans is not None:  # the broker answered: the publish spans end here
+            batch.spans.confirmed(batch.results)
         return batch
 
     def settle(self, batch: Batch) -> PassResult:
@@ -182,6 +185,8 @@ class Relay:
         if not batch.held:
             return 0
         batch.stage = Stage.RELEASED
+        if batch.spans is not None:  # given back before the broker answered for it
+            batch.spans.released(error)
         try:
             given = self.queryset().release(batch.token, [r.pk for r in batch.rows], error)
         except Exception:
