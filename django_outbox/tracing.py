@@ -232,12 +232,12 @@ def _create_span(event: OutboxEvent, config: _Settings) -> Span:
         "" if config.routing_func else config.routing_keys.get(event.event_type, event.event_type)
     )
     where = destination(config.exchange, routing_key)
+    # The conventions' attributes only: every attribute costs the SDK time on emit()'s
+    # path; the publish and process spans of the same trace carry the outbox's own.
     return _get_tracer().start_span(
         _name("create", where),
         kind=SpanKind.PRODUCER,
-        attributes=_attributes(
-            "create", "create", where, event.event_id, routing_key, **_event_attributes(event)
-        ),
+        attributes=_attributes("create", "create", where, event.event_id, routing_key),
     )
 
 
