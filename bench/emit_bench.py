@@ -195,19 +195,27 @@ def main() -> None:
             runs.append(rates)
             show(rates, count)
     if args.repeat > 1:
-        print(f"-- median of {args.repeat} runs")
-        show({key: statistics.median(r[key] for r in runs) for key in runs[0]}, count)
+        print(f"-- median of {args.repeat} runs (rates, and ratios to each run's baseline)")
+        show(
+            {key: statistics.median(r[key] for r in runs) for key in runs[0]},
+            count,
+            {
+                key: statistics.median(r[key] / r[key[0], "baseline"] for r in runs)
+                for key in runs[0]
+            },
+        )
 
 
-def show(rates: dict[tuple[str, str], float], count: int) -> None:
+def show(
+    rates: dict[tuple[str, str], float],
+    count: int,
+    ratios: dict[tuple[str, str], float] | None = None,
+) -> None:
     for what in WHAT:
         for name in Modes.NAMES:
-            report(
-                f"{what}: {name}",
-                rates[what, name],
-                baseline=rates[what, "baseline"],
-                count=count,
-            )
+            rate = rates[what, name]
+            ratio = ratios[what, name] if ratios else rate / rates[what, "baseline"]
+            report(f"{what}: {name}", rate, baseline=rate / ratio, count=count)
 
 
 if __name__ == "__main__":
