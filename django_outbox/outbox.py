@@ -219,6 +219,28 @@ def _check_amqp_table(value: Any, path: str) -> None:
         )
 
 
+def _check_datetime(value: Any, field: str) -> None:
+    """Raise InvalidEvent unless ``value`` is a datetime that matches ``USE_TZ``."""
+    if not isinstance(value, datetime):
+        raise InvalidEvent(f"{field} must be a datetime, got {type(value).__name__}.")
+    if settings.USE_TZ and timezone.is_naive(value):
+        # Django would store it as local time in TIME_ZONE with only a RuntimeWarning:
+        # the time would be a guess.
+        raise InvalidEvent(
+            f"{field} {value.isoformat()} is naive (no tzinfo) while USE_TZ = True. Pass "
+            "an aware datetime: timezone.now(), or timezone.make_aware(value) if it is a "
+            "local time in TIME_ZONE."
+        )
+    if not settings.USE_TZ and timezone.is_aware(value):
+        # SQLite and MySQL/MariaDB refuse it at INSERT, PostgreSQL converts it: the same
+        # rule on every database, raised here.
+        raise InvalidEvent(
+            f"{field} {value.isoformat()} is aware while USE_TZ = False, and the database "
+            "stores naive local times. Pass timezone.make_naive(value) (local time in "
+            "TIME_ZONE)."
+        )
+
+
 def build_event(
     event_type: str,
     *,
@@ -272,24 +294,8 @@ def build_event(
 
     if occurred_at is None:
         occurred_at = timezone.now()
-    elif not isinstance(occurred_at, datetime):
-        raise InvalidEvent(f"occurred_at must be a datetime, got {type(occurred_at).__name__}.")
-    elif settings.USE_TZ and timezone.is_naive(occurred_at):
-        # Django would store it as local time in TIME_ZONE with only a RuntimeWarning:
-        # other services would receive a business time that is a guess.
-        raise InvalidEvent(
-            f"occurred_at {occurred_at.isoformat()} is naive (no tzinfo) while USE_TZ = "
-            "True. Pass an aware datetime: timezone.now(), or timezone.make_aware(value) "
-            "if it is a local time in TIME_ZONE."
-        )
-    elif not settings.USE_TZ and timezone.is_aware(occurred_at):
-        # SQLite and MySQL/MariaDB refuse it at INSERT, PostgreSQL converts it: the same
-        # rule on every database, raised here.
-        raise InvalidEvent(
-            f"occurred_at {occurred_at.isoformat()} is aware while USE_TZ = False, and the "
-            "database stores naive local times. Pass timezone.make_naive(value) (local "
-            "time in TIME_ZONE)."
-        )
+    else:
+        _check_datetime(occurred_at, "occurred_at")
 
     event = OutboxEvent.objects.new_pending(
         event_id=event_id,
