@@ -8,8 +8,8 @@ Two kinds of metric live here:
 
 - **process counters** (published, failures, dead, latencies): each relay replica counts
   what *it* did; ``sum()`` them across replicas.
-- **database gauges** (pending, dead, oldest pending age, blocked aggregates): read from
-  the outbox table at scrape time by :class:`OutboxCollector` through
+- **database gauges** (pending, dead, oldest pending age, blocked aggregates, scheduled):
+  read from the outbox table at scrape time by :class:`OutboxCollector` through
   :mod:`django_outbox.stats`. Every process that exposes them reports the *same* table,
   so aggregate them with ``max()``, never ``sum()`` (docs/monitoring.md has the PromQL).
 
@@ -52,7 +52,8 @@ EVENTS_DEAD = Counter(
 )
 COMMIT_TO_CONFIRM = Histogram(
     "django_outbox_commit_to_confirm_seconds",
-    "Time from the event's creation (database clock) to its broker confirm.",
+    "Time from when the event became due (its creation, or its scheduled time; database "
+    "clock) to its broker confirm.",
     buckets=LATENCY_BUCKETS,
 )
 BATCH_DURATION = Histogram(
@@ -95,15 +96,24 @@ PENDING_EVENTS = "django_outbox_pending_events"
 DEAD_EVENTS = "django_outbox_dead_events"
 OLDEST_PENDING_AGE = "django_outbox_oldest_pending_age_seconds"
 BLOCKED_AGGREGATES = "django_outbox_blocked_aggregates"
+SCHEDULED_EVENTS = "django_outbox_scheduled_events"
 DATABASE_UP = "django_outbox_database_up"
 SCRAPE_DURATION = "django_outbox_stats_scrape_duration_seconds"
 
 _GAUGE_HELP = {
-    PENDING_EVENTS: "Outbox rows in status PENDING (database gauge: aggregate with max()).",
+    PENDING_EVENTS: (
+        "Outbox rows in status PENDING, scheduled ones not due yet left out (database "
+        "gauge: aggregate with max())."
+    ),
     DEAD_EVENTS: "Outbox rows in status DEAD, waiting for triage (database gauge: max()).",
     OLDEST_PENDING_AGE: (
-        "Seconds since the oldest PENDING row was created, by the database clock; 0 when "
-        "nothing is pending (database gauge: max())."
+        "Seconds since the oldest PENDING row became due (was created, or reached its "
+        "scheduled time), by the database clock; 0 when nothing is due (database gauge: "
+        "max())."
+    ),
+    SCHEDULED_EVENTS: (
+        "Outbox rows scheduled for later (emit(deliver_at=, delay=)) and not due yet "
+        "(database gauge: max())."
     ),
     BLOCKED_AGGREGATES: (
         "Ordered mode: aggregates whose head event is DEAD, holding back their later events "
@@ -150,6 +160,7 @@ class OutboxCollector(Collector):
             (DEAD_EVENTS, figures.dead),
             (OLDEST_PENDING_AGE, figures.oldest_pending_age),
             (BLOCKED_AGGREGATES, figures.blocked_aggregates),
+            (SCHEDULED_EVENTS, figures.scheduled),
             (DATABASE_UP, 1),
             (SCRAPE_DURATION, elapsed),
         ):

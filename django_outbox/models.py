@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, router
 from django.utils.translation import gettext_lazy as _
@@ -56,6 +58,16 @@ class OutboxEvent(models.Model):
         help_text=_("Identifies the relay claim holding the row; settles are fenced on it."),
     )
     last_error = models.TextField(_("last error"), blank=True, default="")
+    due_at = models.DateTimeField(
+        _("due at"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "When the row became due: set by emit(deliver_at=, delay=) and by a requeue; "
+            "empty when it was due from its creation. Staleness and the oldest PENDING age "
+            "count from here, so a scheduled event waits without alarming anyone."
+        ),
+    )
     created_at = models.DateTimeField(_("created at"))
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
     sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
@@ -96,6 +108,11 @@ class OutboxEvent(models.Model):
     @property
     def status_label(self) -> str:
         return str(Status(self.status).label)
+
+    @property
+    def due_since(self) -> datetime:
+        """When the row became due: the Python twin of :func:`~.querysets.due_since`."""
+        return self.due_at or self.created_at
 
 
 def outbox_db(using: str | None = None) -> str:

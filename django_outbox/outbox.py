@@ -14,12 +14,13 @@ happens to this process afterwards.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -44,6 +45,9 @@ MAX_JSON_DEPTH = 31
 #: AMQP short strings (the message type, routing key, message_id and header names) hold
 #: at most 255 bytes of UTF-8.
 SHORT_STRING_BYTES = 255
+#: The longest ``delay`` emit() accepts: a hundred years, far below what any database's
+#: date arithmetic overflows at.
+MAX_DELAY = timedelta(days=36524)
 _CONTAINERS = (dict, list, tuple)  # what json.dumps writes as an object or an array
 # "\u0000" in JSON text is an escaped NUL unless its backslash is itself escaped: it must
 # follow an even run of backslashes (none, or pairs that each stand for one backslash).
@@ -241,6 +245,44 @@ def _check_datetime(value: Any, field: str) -> None:
         )
 
 
+def _schedule(deliver_at: Any, delay: Any) -> dict[str, Any]:
+    """``deliver_at``/``delay`` checked, as the arguments of ``new_pending()``."""
+    if deliver_at is None and delay is None:
+        return {}
+    if deliver_at is not None and delay is not None:
+        raise InvalidEvent(
+            "Pass deliver_at or delay, not both: deliver_at is a point in time, delay a "
+            "duration counted from the commit."
+        )
+    if deliver_at is not None:
+        _check_datetime(deliver_at, "deliver_at")
+        return {"deliver_at": deliver_at}
+    if isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        if not math.isfinite(delay):
+            raise InvalidEvent(f"delay must be a finite number of seconds, got {delay!r}.")
+        try:
+            delay = timedelta(seconds=delay)
+        except OverflowError:
+            delay = timedelta.max
+    elif not isinstance(delay, timedelta):
+        raise InvalidEvent(
+            f"delay must be a timedelta or a number of seconds, got {type(delay).__name__}."
+        )
+    if delay < timedelta(0):
+        raise InvalidEvent(
+            f"delay must not be negative, got {delay}. Pass delay=0 (or no delay) for an "
+            "event due at once."
+        )
+    if delay > MAX_DELAY:
+        # Beyond this, date arithmetic in the database (MySQL's DATE_ADD, SQLite's
+        # datetime()) overflows or yields NULL, which the INSERT would fail on.
+        raise InvalidEvent(
+            f"delay {delay} is longer than the outbox schedules ({MAX_DELAY.days} days); "
+            "pass deliver_at= for a date that far ahead."
+        )
+    return {"delay": delay}
+
+
 def build_event(
     event_type: str,
     *,
@@ -251,6 +293,8 @@ def build_event(
     event_id: str | uuid.UUID | None = None,
     headers: Mapping[str, Any] | None = None,
     occurred_at: datetime | None = None,
+    deliver_at: datetime | None = None,
+    delay: timedelta | float | None = None,
 ) -> OutboxEvent:
     """Validate and serialise one event into an unsaved row; raise InvalidEvent if bad."""
     if not isinstance(event_type, str):
@@ -296,8 +340,10 @@ def build_event(
         occurred_at = timezone.now()
     else:
         _check_datetime(occurred_at, "occurred_at")
+    schedule = _schedule(deliver_at, delay)
 
     event = OutboxEvent.objects.new_pending(
+        **schedule,
         event_id=event_id,
         aggregate_type=agg_type,
         aggregate_id=agg_id,
@@ -382,6 +428,8 @@ class Outbox:
         event_id: str | uuid.UUID | None = None,
         headers: Mapping[str, Any] | None = None,
         occurred_at: datetime | None = None,
+        deliver_at: datetime | None = None,
+        delay: timedelta | float | None = None,
     ) -> OutboxEvent:
         """Add an event to this block; it is written when the block exits without error."""
         if self._atomic is None:
@@ -398,6 +446,8 @@ class Outbox:
             event_id=event_id,
             headers=headers,
             occurred_at=occurred_at,
+            deliver_at=deliver_at,
+            delay=delay,
         )
         self.events.append(event)
         return event
@@ -448,6 +498,8 @@ def emit(
     event_id: str | uuid.UUID | None = None,
     headers: Mapping[str, Any] | None = None,
     occurred_at: datetime | None = None,
+    deliver_at: datetime | None = None,
+    delay: timedelta | float | None = None,
     using: str | None = None,
 ) -> OutboxEvent:
     """Write an event in the current transaction (any atomic block).
@@ -455,6 +507,11 @@ def emit(
     Directly inside an ``outbox.atomic()`` block the event joins that block's single
     INSERT; inside a plain ``transaction.atomic()`` it is inserted at once, so a savepoint
     that rolls back takes it along. Outside any transaction it raises NotInTransaction.
+
+    ``deliver_at`` (an aware datetime under ``USE_TZ``) or ``delay`` (a timedelta or
+    seconds), at most one: the event commits now and the relay publishes it no earlier
+    than then; ``delay`` counts from the INSERT by the database clock, a ``deliver_at``
+    already past is due at once (docs/writing-events.md, "Scheduling an event").
     """
     alias = outbox_db(using)
     _require_transaction(alias)
@@ -469,6 +526,8 @@ def emit(
             event_id=event_id,
             headers=headers,
             occurred_at=occurred_at,
+            deliver_at=deliver_at,
+            delay=delay,
         )
     event = build_event(
         event_type,
@@ -479,6 +538,8 @@ def emit(
         event_id=event_id,
         headers=headers,
         occurred_at=occurred_at,
+        deliver_at=deliver_at,
+        delay=delay,
     )
     _insert([event], alias)
     return event

@@ -1,10 +1,11 @@
 """Querysets that speak the outbox's domain, and the row's whole lifecycle.
 
-Reading: ``pending()``, ``due()``, ``stale()``, ``dead()``, ``blocked_aggregates()`` ...
+Reading: ``pending()``, ``due()``, ``stale()``, ``scheduled()``, ``dead()``,
+``blocked_aggregates()`` ...
 
 Writing: every transition of an outbox row is a method here, and no other module writes
-``status``, ``next_retry_time``, ``retry_count``, ``replay_count``, ``lease_token`` or
-``last_error``::
+``status``, ``next_retry_time``, ``due_at``, ``retry_count``, ``replay_count``,
+``lease_token`` or ``last_error``::
 
     emit()            claim()                    mark_sent()
     ─────> PENDING ──────────> PENDING, leased ─────────────> SENT ──delete_in_batches()──>
@@ -18,16 +19,20 @@ Each one stamps ``updated_at`` from the database clock. The transitions of a cla
 (``mark_sent``, ``mark_failed``, ``release``) are *fenced* on the claim's lease token
 through :meth:`OutboxEventQuerySet.held_by`: a relay that outlived its lease changes
 nothing that another relay has claimed or settled since.
+
+``emit()`` makes a row due at once, or *scheduled*: due at ``deliver_at`` or after ``delay``
+(``due_at``, see :func:`due_time`), and not claimable before.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, models, transaction
+from django.db.models.functions import Coalesce, Greatest
 
 from . import ordering
 from ._compat.django import build_rows
@@ -39,9 +44,10 @@ if TYPE_CHECKING:
     from .models import OutboxEvent
     from .retry import RetryPolicy
 
-# What a claim loads: what a message is built from and a settle needs. The rest
-# (next_retry_time, last_error, sent_at, updated_at) is deferred: building the rows is a good
-# part of a relay's time, and each datetime column costs a parse per row.
+# What a claim loads: what a message is built from, a settle and the confirm latency
+# (created_at, due_at) need. The rest (next_retry_time, last_error, sent_at, updated_at) is
+# deferred: building the rows is a good part of a relay's time, and each datetime column
+# costs a parse per row (due_at only where it is set: NULL is not parsed).
 CLAIM_FIELDS = (
     "id",
     "event_id",
@@ -52,6 +58,7 @@ CLAIM_FIELDS = (
     "headers",
     "occurred_at",
     "created_at",
+    "due_at",
     "retry_count",
     "replay_count",
     "status",
@@ -61,6 +68,43 @@ CLAIM_FIELDS = (
 
 def _seconds(value: float | timedelta) -> timedelta:
     return value if isinstance(value, timedelta) else timedelta(seconds=value)
+
+
+# -- scheduled events ------------------------------------------------------------------------
+def due_time(deliver_at: datetime | None = None, delay: timedelta | None = None) -> Any:
+    """The SQL of when a new row becomes due, by the database clock at its INSERT: ``delay``
+    after it, or ``deliver_at`` (at the earliest then: a time in the past is due now).
+
+    An expression, not a value, so a block of events is still one INSERT and the worker's
+    clock decides nothing. None when the row is due at once.
+    """
+    if delay is not None:
+        return DbNow() + delay
+    if deliver_at is not None:
+        return Greatest(
+            models.Value(deliver_at, output_field=models.DateTimeField()),
+            DbNow(),
+            output_field=models.DateTimeField(),
+        )
+    return None
+
+
+def scheduled_q(now: Any = None) -> models.Q:
+    """PENDING and scheduled for later than ``now`` (default: the database clock).
+
+    A row in retry backoff is not scheduled (its ``due_at`` has passed, only its
+    ``next_retry_time`` is ahead): it is a delivery that failed, and counts as PENDING.
+    """
+    return models.Q(status=Status.PENDING, due_at__gt=DbNow() if now is None else now)
+
+
+def due_since() -> Coalesce:
+    """When a row became due: ``due_at`` (scheduled, or requeued), else ``created_at``.
+
+    What staleness and the oldest PENDING age count from, so an event scheduled a week
+    ahead is not a week-old incident, while a row failing since it became due still ages.
+    """
+    return Coalesce("due_at", "created_at")
 
 
 class _AnyOf(models.Lookup):
@@ -90,8 +134,18 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         return self.pending().filter(next_retry_time__lte=DbNow())
 
     def stale(self, older_than: float | timedelta) -> OutboxEventQuerySet:
-        """PENDING rows created at least ``older_than`` ago (seconds or a timedelta)."""
-        return self.pending().filter(created_at__lte=DbNow() - _seconds(older_than))
+        """PENDING rows that became due at least ``older_than`` ago (seconds or a timedelta):
+        created then, or, for a scheduled or requeued row, due since then (:func:`due_since`)."""
+        return (
+            self.pending()
+            .alias(became_due=due_since())
+            .filter(became_due__lte=DbNow() - _seconds(older_than))
+        )
+
+    def scheduled(self, now: Any = None) -> OutboxEventQuerySet:
+        """PENDING rows scheduled for later (``emit(deliver_at=, delay=)``), not due yet at
+        ``now`` (default: the database clock). See :func:`scheduled_q`."""
+        return self.filter(scheduled_q(now))
 
     def created_since(self, seconds: float | timedelta) -> OutboxEventQuerySet:
         return self.filter(created_at__gte=DbNow() - _seconds(seconds))
@@ -253,13 +307,23 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         )
 
     # -- the row's lifecycle: the transitions after claim() ---------------------------------
-    def new_pending(self, **fields: Any) -> OutboxEvent:
+    def new_pending(
+        self,
+        *,
+        deliver_at: datetime | None = None,
+        delay: timedelta | None = None,
+        **fields: Any,
+    ) -> OutboxEvent:
         """An unsaved row in its first state, for emit() to insert: PENDING, no attempt yet,
-        due at once by the database clock."""
+        due at once by the database clock, or scheduled (see :func:`due_time`): then
+        ``next_retry_time`` and ``due_at`` both hold the due time, so the claim's index
+        finds it when it is due and retries keep ``due_at`` while they move the other."""
+        due = due_time(deliver_at, delay)
         return self.model(
             status=Status.PENDING,
             retry_count=0,
-            next_retry_time=DbNow(),
+            next_retry_time=DbNow() if due is None else due,
+            due_at=None if due is None else due_time(deliver_at, delay),
             created_at=DbNow(),
             **fields,
         )
@@ -359,6 +423,10 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         ``replay_count`` goes up by one (the relay sends it as the ``x-outbox-replay``
         header); ``sent_at`` keeps the last delivery's time until the next one. Returns how
         many rows changed.
+
+        Due now in ``due_at`` too: a scheduled row requeued early is no longer scheduled,
+        and staleness and the oldest PENDING age count from the requeue, not from a death
+        (or a delivery) days ago.
         """
         statuses = [Status.PENDING, Status.DEAD, *([Status.SENT] if replay else [])]
         changes: dict[str, Any] = {}
@@ -372,6 +440,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         changes.update(
             status=Status.PENDING,
             next_retry_time=DbNow(),
+            due_at=DbNow(),
             retry_count=0,
             lease_token="",
             updated_at=DbNow(),

@@ -9,7 +9,9 @@ Every figure is measured against the **database clock**: :func:`db_now` reads it
 snapshot and all windows are cut from that instant, so a relay host with a skewed clock or a
 web server in another time zone changes nothing. The queries stay on the model's indexes:
 
-- counts by status and the oldest PENDING ``created_at``: ``(status, created_at)``;
+- counts by status, the scheduled rows and when the oldest PENDING row became due
+  (``COALESCE(due_at, created_at)``): one pass over the PENDING and DEAD rows, which the
+  counts need anyway (``due_at`` has no index: it would cost every ``emit()`` a write);
 - the triage table and the "created" trend: ``status IN (0, 1, 2) AND created_at >= ...``,
   again ``(status, created_at)`` (the ``IN`` lets PostgreSQL and MySQL use the index
   without a leading equality on status);
@@ -42,6 +44,7 @@ from django.utils import timezone as django_timezone
 from . import ordering
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
+from .querysets import due_since, scheduled_q
 
 #: The default window of the triage table, "sent" and the trend: the article's last hour.
 DEFAULT_WINDOW = 3600.0
@@ -59,17 +62,26 @@ _ALL_STATUSES = [int(s) for s in Status]
 
 @dataclass(frozen=True)
 class Gauges:
-    """The three figures worth alerting on; cheap enough to read at every scrape."""
+    """The three figures worth alerting on; cheap enough to read at every scrape.
 
+    A *scheduled* event (``emit(deliver_at=, delay=)``) that is not due yet is counted in
+    ``scheduled`` only: it is PENDING in the table, but waiting is what it was asked to do.
+    """
+
+    #: PENDING rows that are due (or in flight, or in retry backoff): not scheduled ones.
     pending: int
     dead: int
-    #: Seconds since the oldest PENDING row was created, by the database clock; 0 when none.
+    #: Seconds since the oldest PENDING row became due (created, or reached its scheduled
+    #: time, or was requeued), by the database clock; 0 when none.
     oldest_pending_age: float
-    #: ``created_at`` of the oldest PENDING row (None when nothing is pending).
-    oldest_pending_created_at: datetime | None
+    #: When the oldest PENDING row became due: its ``created_at`` unless it was scheduled
+    #: or requeued (None when nothing is pending).
+    oldest_pending_due_since: datetime | None
     now: datetime
     #: Ordered mode: aggregates whose head event is DEAD and holds back later events.
     blocked_aggregates: int = 0
+    #: PENDING rows scheduled for later and not due yet.
+    scheduled: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,10 @@ class OutboxStats:
         return self.gauges.pending
 
     @property
+    def scheduled(self) -> int:
+        return self.gauges.scheduled
+
+    @property
     def dead(self) -> int:
         return self.gauges.dead
 
@@ -158,9 +174,12 @@ class OutboxStats:
             "now": _iso(self.gauges.now),
             "window_seconds": self.window,
             "pending": self.pending,
+            "scheduled": self.scheduled,
             "dead": self.dead,
             "oldest_pending_age_seconds": round(self.oldest_pending_age, 3),
-            "oldest_pending_created_at": _iso(gauges["oldest_pending_created_at"]),
+            "oldest_pending_due_since": _iso(gauges["oldest_pending_due_since"]),
+            # The name before scheduled events (0.1.0); the same value, kept for scripts.
+            "oldest_pending_created_at": _iso(gauges["oldest_pending_due_since"]),
             "sent_in_window": self.sent_in_window,
             "created_in_window": self.created_in_window,
             "triage": [
@@ -190,6 +209,7 @@ class OutboxStats:
         age = format_age(self.oldest_pending_age) if self.pending else "-"
         figures = [
             ("PENDING", self.pending),
+            ("scheduled", self.scheduled),
             ("oldest PENDING age", age),
             ("DEAD", self.dead),
             (f"SENT (last {window})", self.sent_in_window),
@@ -327,13 +347,16 @@ def gauges(using: str | None = None) -> Gauges:
     """PENDING count, DEAD count and oldest PENDING age: two short queries."""
     using = outbox_db(using)
     now = db_now(using)
+    # Scheduled rows are cut at the instant every other figure is measured from.
+    scheduled = scheduled_q(now)
     figures = (
         OutboxEvent.objects.using(using)
         .filter(status__in=[Status.PENDING, Status.DEAD])
         .aggregate(
-            pending=Count("id", filter=Q(status=Status.PENDING)),
+            pending=Count("id", filter=Q(status=Status.PENDING) & ~scheduled),
+            scheduled=Count("id", filter=scheduled),
             dead=Count("id", filter=Q(status=Status.DEAD)),
-            oldest=Min("created_at", filter=Q(status=Status.PENDING)),
+            oldest=Min(due_since(), filter=Q(status=Status.PENDING) & ~scheduled),
         )
     )
     oldest = _normal(figures["oldest"]) if figures["oldest"] is not None else None
@@ -343,13 +366,14 @@ def gauges(using: str | None = None) -> Gauges:
         pending=figures["pending"] or 0,
         dead=dead,
         oldest_pending_age=age,
-        oldest_pending_created_at=oldest,
+        oldest_pending_due_since=oldest,
         now=now,
         # Only DEAD rows can block (a PENDING head is being retried), so skip the query
         # when there are none: it looks at DEAD rows only, a handful in triage.
         blocked_aggregates=(
             OutboxEvent.objects.using(using).blocked_aggregates().count() if dead else 0
         ),
+        scheduled=figures["scheduled"] or 0,
     )
 
 

@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_outbox"
 LIFECYCLE_COLUMNS = {
     "status",
     "next_retry_time",
+    "due_at",
     "retry_count",
     "replay_count",
     "lease_token",

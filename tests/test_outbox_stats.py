@@ -37,9 +37,10 @@ def rows():
 
 def test_text_output_has_figures_and_triage_table(rows):
     out = run()
-    figures = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines()[:5])
+    figures = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in out.splitlines()[:6])
     assert figures == {
         "PENDING": "2",
+        "scheduled": "0",
         "oldest PENDING age": "15 min",
         "DEAD": "1",
         "SENT (last 1 h)": "1",

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db
 def test_empty_table():
     snapshot = stats.collect()
     assert (snapshot.pending, snapshot.dead, snapshot.oldest_pending_age) == (0, 0, 0.0)
-    assert snapshot.gauges.oldest_pending_created_at is None
+    assert snapshot.gauges.oldest_pending_due_since is None
     assert snapshot.triage == []
     assert snapshot.top_dead_types == []
     assert len(snapshot.trend) == stats.TREND_BUCKETS
@@ -46,7 +46,7 @@ def test_gauges_match_the_rows_emitted_and_updated():
     g = stats.gauges()
     assert g.pending == OutboxEvent.objects.pending().count() == 2
     assert g.dead == OutboxEvent.objects.dead().count() == 1
-    assert g.oldest_pending_created_at == OutboxEvent.objects.get(id=ids[3]).created_at
+    assert g.oldest_pending_due_since == OutboxEvent.objects.get(id=ids[3]).created_at
 
 
 def test_oldest_pending_age_ignores_sent_and_dead_rows():

@@ -24,6 +24,7 @@ from django.utils import timezone
 from prometheus_client import CollectorRegistry
 
 from django_outbox import metrics, outbox, stats
+from django_outbox.exceptions import InvalidEvent
 from django_outbox.models import OutboxEvent, Status
 from tests.utils.rows import make_events
 
@@ -88,7 +89,7 @@ def test_outbox_stats_json_times_are_utc(naive):
     now = datetime.fromisoformat(data["now"])
     assert now.utcoffset() == timedelta(0)
     assert abs(now - utc_now()) < timedelta(seconds=30)
-    oldest = datetime.fromisoformat(data["oldest_pending_created_at"])
+    oldest = datetime.fromisoformat(data["oldest_pending_due_since"])
     assert abs(now - oldest - timedelta(seconds=300)) < timedelta(seconds=1)
     assert 300 <= data["oldest_pending_age_seconds"] < 360
 
@@ -125,3 +126,21 @@ def test_admin_changelist_and_dashboard(naive, settings):
     snapshot = dashboard.context["stats"]
     assert (snapshot.pending, snapshot.sent_in_window) == (1, 1)
     assert 600 <= snapshot.oldest_pending_age < 660
+
+
+def test_scheduled_events_in_local_time(naive):
+    """deliver_at is a naive local time, delay counts on the database clock in local time:
+    both land where the relay's clock (local time here) finds them due, and no earlier."""
+    when = (timezone.now() + timedelta(hours=2)).replace(microsecond=250000)
+    with transaction.atomic():
+        outbox.emit("AT", payload={}, deliver_at=when)
+        outbox.emit("AFTER", payload={}, delay=timedelta(hours=1))
+        outbox.emit("PAST", payload={}, deliver_at=timezone.now() - timedelta(days=1))
+    at, after, past = (OutboxEvent.objects.get(event_type=t) for t in ("AT", "AFTER", "PAST"))
+    assert at.next_retry_time == at.due_at == when
+    assert abs(after.due_at - after.created_at - timedelta(hours=1)) < timedelta(seconds=1)
+    assert abs(past.due_at - past.created_at) < timedelta(seconds=1)
+    assert list(OutboxEvent.objects.due()) == [past]
+    assert stats.gauges().scheduled == 2
+    with pytest.raises(InvalidEvent, match="aware"), transaction.atomic():
+        outbox.emit("AT", payload={}, deliver_at=when.replace(tzinfo=dt_timezone.utc))

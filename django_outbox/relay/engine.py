@@ -387,7 +387,7 @@ class Relay:
                     len(failed) + len(lost),
                 )
         metrics.published((r.event_type for r in sent), self.job)
-        metrics.confirm_latencies(confirmed_at - r.created_at.timestamp() for r in sent)
+        metrics.confirm_latencies(confirmed_at - r.due_since.timestamp() for r in sent)
         for reason in Reason:
             metrics.failed(
                 reason.value, sum(1 for _, res in failed + lost if res.reason is reason), self.job
