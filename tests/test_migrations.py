@@ -125,3 +125,62 @@ def test_rows_written_by_the_previous_release_survive_the_upgrade():
         assert OutboxEvent.objects.count() == 4
     finally:
         _migrate(leaf)  # the rest of the session expects today's schema
+
+
+def _index_names() -> set[str]:
+    with connection.cursor() as cursor:
+        return set(connection.introspection.get_constraints(cursor, OutboxEvent._meta.db_table))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_scheduled_events_migration_goes_back_and_forth():
+    """0006_scheduled_events adds due_at (and on PostgreSQL swaps the claim indexes), and
+    takes them back off."""
+    leaf = MigrationExecutor(connection).loader.graph.leaf_nodes(APP)
+    claim = {"django_outbox_claim_now_idx", "django_outbox_scheduled_idx"}
+    try:
+        _migrate([PREVIOUS_LEAF])
+        columns = {
+            c.name
+            for c in connection.introspection.get_table_description(
+                connection.cursor(), OutboxEvent._meta.db_table
+            )
+        }
+        assert "due_at" not in columns
+        assert not claim & _index_names()
+        _migrate([(APP, "0006_scheduled_events")])
+        if connection.vendor == "postgresql":
+            assert claim <= _index_names()
+            assert "django_outbox_claim_idx" not in _index_names()
+        _migrate([PREVIOUS_LEAF])
+        if connection.features.supports_partial_indexes:
+            assert "django_outbox_claim_idx" in _index_names()
+        assert not claim & _index_names()
+    finally:
+        _migrate(leaf)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_scheduled_events_migration_finds_what_was_created_by_hand_beforehand():
+    """docs/installation.md: on a large PostgreSQL table, the column and the indexes are
+    created first (the indexes CONCURRENTLY); the migration then finds them done."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the statements are PostgreSQL's")
+    leaf = MigrationExecutor(connection).loader.graph.leaf_nodes(APP)
+    try:
+        _migrate([PREVIOUS_LEAF])
+        with connection.cursor() as cursor:
+            for statement in (
+                "ALTER TABLE django_outbox_outboxevent "
+                "ADD COLUMN IF NOT EXISTS due_at timestamp with time zone NULL",
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS django_outbox_claim_now_idx "
+                "ON django_outbox_outboxevent (id) WHERE status = 0 AND due_at IS NULL",
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS django_outbox_scheduled_idx "
+                "ON django_outbox_outboxevent (next_retry_time) "
+                "WHERE status = 0 AND due_at IS NOT NULL",
+            ):
+                cursor.execute(statement)
+        _migrate(leaf)
+        assert {"django_outbox_claim_now_idx", "django_outbox_scheduled_idx"} <= _index_names()
+    finally:
+        _migrate(leaf)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from django_outbox.conf import OutboxSettings
 from django_outbox.models import OutboxEvent, Status
+from django_outbox.stats import db_now
 from tests.utils.rows import make_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,34 +35,57 @@ def test_relay_index_and_unique_constraint_exist_in_the_database():
     assert unique["unique"] and unique["columns"] == ["event_id"]
 
 
+def claim_plan(*, analyze: bool = False) -> str:
+    """PostgreSQL's plan of the relay's claim statement (executed and rolled back when
+    ``analyze``), on the due rows, 100 at a time."""
+    events = OutboxEvent.objects.all()
+    with transaction.atomic(), connection.cursor() as cursor:
+        sql, params = events._lease_sql(events.due(), 100, 60, "plan")
+        cursor.execute(f"EXPLAIN {'(ANALYZE) ' if analyze else ''}{sql}", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        transaction.set_rollback(True)
+    return plan
+
+
+def analyze() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {OutboxEvent._meta.db_table}")
+
+
 @pytest.mark.django_db
 def test_relay_scan_does_not_walk_the_sent_history():
-    """With a long SENT history and a small backlog, the due scan is an index range on status.
-
-    The planner may pick the partial claim index, (status, next_retry_time) or
-    (status, created_at): each jumps straight to the PENDING rows. What must never happen is
-    a scan over the history.
-    """
+    """With a long SENT history and a small backlog, the claim reads index ranges of the
+    unsent rows, never the history."""
     if connection.vendor != "postgresql":
         pytest.skip("EXPLAIN output checked on PostgreSQL")
     make_events(*[{"status": Status.SENT, "age": 3600} for _ in range(5000)])
     make_events(*[{"status": Status.PENDING, "age": 5} for _ in range(20)])
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {OutboxEvent._meta.db_table}")
-    plan = OutboxEvent.objects.due().order_by("id")[:100].explain()
+    analyze()
+    plan = claim_plan()
     assert "Seq Scan" not in plan, plan
-    indexes = ("django_outbox_claim_idx", "django_outbox_due_idx", "django_outbox_created_idx")
-    assert any(index in plan for index in indexes), plan
+    assert "django_outbox_claim_now_idx" in plan, plan
+    assert "django_outbox_scheduled_idx" in plan, plan
 
 
 @pytest.mark.django_db
-def test_claim_index_holds_the_unsent_rows_where_partial_indexes_exist():
+def test_claim_indexes_hold_the_unsent_rows_where_partial_indexes_exist():
     with connection.cursor() as cursor:
         constraints = connection.introspection.get_constraints(cursor, OutboxEvent._meta.db_table)
+    names = (
+        "django_outbox_claim_idx",
+        "django_outbox_claim_now_idx",
+        "django_outbox_scheduled_idx",
+    )
     if not connection.features.supports_partial_indexes:
-        assert "django_outbox_claim_idx" not in constraints  # MySQL/MariaDB: none
+        assert not set(names) & set(constraints)  # MySQL/MariaDB: none
         return
-    assert constraints["django_outbox_claim_idx"]["columns"] == ["id"]
+    if connection.vendor == "sqlite":  # 0005's index; its claim is one query
+        assert constraints["django_outbox_claim_idx"]["columns"] == ["id"]
+        return
+    # PostgreSQL: 0006_scheduled_events replaced 0005's index by one per set the claim reads.
+    assert "django_outbox_claim_idx" not in constraints
+    assert constraints["django_outbox_claim_now_idx"]["columns"] == ["id"]
+    assert constraints["django_outbox_scheduled_idx"]["columns"] == ["next_retry_time"]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -73,13 +98,31 @@ def test_claim_does_not_walk_the_part_of_a_backlog_already_sent():
     if connection.vendor != "postgresql":
         pytest.skip("EXPLAIN ANALYZE output checked on PostgreSQL")
     make_events(*[{"status": Status.PENDING, "age": 5} for _ in range(3000)])
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {OutboxEvent._meta.db_table}")
+    analyze()
     first = OutboxEvent.objects.order_by("id").values_list("id", flat=True)
     OutboxEvent.objects.filter(id__lt=first[2000]).update(status=Status.SENT)
-    plan = OutboxEvent.objects.due().order_by("id")[:100].explain(analyze=True)
+    plan = claim_plan(analyze=True)
     removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
     assert sum(removed) < 100, plan
+
+
+@pytest.mark.django_db(transaction=True)
+def test_claim_does_not_read_the_scheduled_events_that_are_not_due():
+    """A backlog of events scheduled for later, older (lower ids) than the due rows, and a
+    SENT history, from which PostgreSQL estimates that most PENDING rows are due: one walk by
+    id over the PENDING rows would read every scheduled row on every claim."""
+    if connection.vendor != "postgresql":
+        pytest.skip("EXPLAIN ANALYZE output checked on PostgreSQL")
+    make_events(*[{"status": Status.SENT, "age": 7200} for _ in range(3000)])
+    later = db_now() + timedelta(days=1)
+    make_events(*[{"due_at": later, "due_age": -86400} for _ in range(2000)])
+    make_events(*[{"age": 5} for _ in range(20)])
+    analyze()
+    plan = claim_plan(analyze=True)
+    removed = [int(n) for n in re.findall(r"Rows Removed by Filter: (\d+)", plan)]
+    assert sum(removed) < 100, plan
+    _token, claimed = OutboxEvent.objects.due().claim(100, lease_seconds=60)
+    assert len(claimed) == 20
 
 
 def test_status_numbers_match_the_article():

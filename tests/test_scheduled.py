@@ -390,3 +390,20 @@ def test_ordered_a_scheduled_event_of_an_unordered_type_holds_nothing_back(setti
         box.emit("ORDER_SHIPPED", payload={}, aggregate_type="O", aggregate_id="a")
     assert make_relay().drain().sent == 1
     assert [m.routing_key for m in locmem.outbox] == ["ORDER_SHIPPED"]
+
+
+def test_a_claim_takes_the_lowest_ids_of_due_rows_scheduled_or_not():
+    """The claim reads scheduled and unscheduled rows apart (PostgreSQL: two partial
+    indexes) and leases the lowest ids of both."""
+    with outbox.atomic() as box:
+        box.emit("FIRST", payload={}, delay=HOUR)
+        for _ in range(3):
+            box.emit("NOW", payload={})
+        box.emit("LATER", payload={}, delay=HOUR)
+    first, now1, now2, _now3, later = OutboxEvent.objects.order_by("id")
+    shift_back(first, HOUR)
+    _token, rows = OutboxEvent.objects.due().claim(3, lease_seconds=60)
+    assert [r.pk for r in rows] == [first.pk, now1.pk, now2.pk]
+    shift_back(later, HOUR)
+    _token, rows = OutboxEvent.objects.due().claim(3, lease_seconds=60)
+    assert [r.event_type for r in rows] == ["NOW", "LATER"]
