@@ -223,7 +223,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
         one round trip instead of two and no list of ids sent back.
 
         The rows are looked for in two sets, each on its own partial index (migration
-        0006_scheduled_events), and the ``limit`` lowest ids of both are leased:
+        0007_scheduled_events), and the ``limit`` lowest ids of both are leased:
 
         - rows that were never scheduled nor requeued (``due_at`` NULL), by id on
           ``django_outbox_claim_now_idx``: nearly all of them are due;

@@ -134,12 +134,13 @@ def _index_names() -> set[str]:
 
 @pytest.mark.django_db(transaction=True)
 def test_scheduled_events_migration_goes_back_and_forth():
-    """0006_scheduled_events adds due_at (and on PostgreSQL swaps the claim indexes), and
+    """0007_scheduled_events adds due_at (and on PostgreSQL swaps the claim indexes), and
     takes them back off."""
     leaf = MigrationExecutor(connection).loader.graph.leaf_nodes(APP)
     claim = {"django_outbox_claim_now_idx", "django_outbox_scheduled_idx"}
+    before = (APP, "0006_replay_count")
     try:
-        _migrate([PREVIOUS_LEAF])
+        _migrate([before])
         columns = {
             c.name
             for c in connection.introspection.get_table_description(
@@ -148,11 +149,11 @@ def test_scheduled_events_migration_goes_back_and_forth():
         }
         assert "due_at" not in columns
         assert not claim & _index_names()
-        _migrate([(APP, "0006_scheduled_events")])
+        _migrate([(APP, "0007_scheduled_events")])
         if connection.vendor == "postgresql":
             assert claim <= _index_names()
             assert "django_outbox_claim_idx" not in _index_names()
-        _migrate([PREVIOUS_LEAF])
+        _migrate([before])
         if connection.features.supports_partial_indexes:
             assert "django_outbox_claim_idx" in _index_names()
         assert not claim & _index_names()
@@ -168,7 +169,7 @@ def test_scheduled_events_migration_finds_what_was_created_by_hand_beforehand():
         pytest.skip("the statements are PostgreSQL's")
     leaf = MigrationExecutor(connection).loader.graph.leaf_nodes(APP)
     try:
-        _migrate([PREVIOUS_LEAF])
+        _migrate([(APP, "0006_replay_count")])
         with connection.cursor() as cursor:
             for statement in (
                 "ALTER TABLE django_outbox_outboxevent "

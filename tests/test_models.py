@@ -82,7 +82,7 @@ def test_claim_indexes_hold_the_unsent_rows_where_partial_indexes_exist():
     if connection.vendor == "sqlite":  # 0005's index; its claim is one query
         assert constraints["django_outbox_claim_idx"]["columns"] == ["id"]
         return
-    # PostgreSQL: 0006_scheduled_events replaced 0005's index by one per set the claim reads.
+    # PostgreSQL: 0007_scheduled_events replaced 0005's index by one per set the claim reads.
     assert "django_outbox_claim_idx" not in constraints
     assert constraints["django_outbox_claim_now_idx"]["columns"] == ["id"]
     assert constraints["django_outbox_scheduled_idx"]["columns"] == ["next_retry_time"]

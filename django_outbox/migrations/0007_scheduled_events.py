@@ -102,7 +102,7 @@ def drop(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_outbox", "0005_claim_index"),
+        ("django_outbox", "0006_replay_count"),
     ]
 
     operations = [
