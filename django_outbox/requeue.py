@@ -5,7 +5,8 @@ so both select and change rows the same way. A selection names one status:
 
 - DEAD (the default): *redrive* dead letters once their cause is fixed;
 - PENDING: make rows waiting in retry backoff due now (rows a relay is publishing right
-  now are left out: requeueing them would publish them twice);
+  now are left out: requeueing them would publish them twice; so are scheduled events
+  not due yet, which are not late);
 - SENT: *replay* events already delivered, for a consumer that lost its data. They keep
   their ``event_id`` and carry the ``x-outbox-replay`` header (how many times).
 
@@ -25,7 +26,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from .models import OutboxEvent, Status, outbox_db
-from .querysets import OutboxEventQuerySet
+from .querysets import OutboxEventQuerySet, scheduled_q
 from .stats import db_now
 
 #: Rows per batch unless told otherwise: one UPDATE of this many ids per transaction.
@@ -97,7 +98,9 @@ class Selection:
         durations)."""
         rows = OutboxEvent.objects.using(outbox_db(using)).filter(status=self.status)
         if self.status == Status.PENDING:
-            rows = rows.exclude_in_flight()
+            # Scheduled events not due yet are waiting on purpose, not in a backoff: a
+            # redrive would send them early.
+            rows = rows.exclude_in_flight().exclude(scheduled_q())
         if self.event_types:
             rows = rows.filter(event_type__in=self.event_types)
         if self.aggregate_type is not None:

@@ -407,3 +407,33 @@ def test_a_claim_takes_the_lowest_ids_of_due_rows_scheduled_or_not():
     shift_back(later, HOUR)
     _token, rows = OutboxEvent.objects.due().claim(3, lease_seconds=60)
     assert [r.event_type for r in rows] == ["NOW", "LATER"]
+
+
+def test_a_replay_is_due_from_the_replay_not_from_its_first_delivery():
+    row = emit_one()
+    assert make_relay().drain().sent == 1
+    shift_back(row, timedelta(days=2))
+    assert OutboxEvent.objects.filter(pk=row.pk).requeue(replay=True) == 1
+    row.refresh_from_db()
+    assert near(row.due_at, db_now(), 60)
+    g = stats.gauges()
+    assert g.pending == 1 and g.oldest_pending_age < 60
+    assert not OutboxEvent.objects.stale(600).exists()
+
+
+def test_outbox_requeue_pending_leaves_scheduled_events_waiting():
+    """A redrive of PENDING rows is for rows in retry backoff: a scheduled event is not
+    late, and sending it early is what it must not be."""
+    scheduled = emit_one(delay=HOUR)
+    with outbox.atomic() as box:
+        box.emit("RETRY", payload={})
+    backoff = OutboxEvent.objects.get(event_type="RETRY")
+    locmem.fail_next.append(Reason.NACKED)
+    make_relay(policy=FixedRetryPolicy(3600, max_attempts=5)).drain()
+    backoff.refresh_from_db()
+    assert backoff.retry_count == 1
+    out = StringIO()
+    call_command("outbox_requeue", "--status", "pending", stdout=out)
+    assert "requeued 1 pending event(s)" in out.getvalue()
+    assert list(OutboxEvent.objects.due()) == [backoff]
+    assert list(OutboxEvent.objects.scheduled()) == [scheduled]
