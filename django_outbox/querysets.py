@@ -79,14 +79,44 @@ def due_time(deliver_at: datetime | None = None, delay: timedelta | None = None)
     clock decides nothing. None when the row is due at once.
     """
     if delay is not None:
-        return DbNow() + delay
+        return _DueTime(DbNow() + delay)
     if deliver_at is not None:
-        return Greatest(
-            models.Value(deliver_at, output_field=models.DateTimeField()),
-            DbNow(),
-            output_field=models.DateTimeField(),
+        return _DueTime(
+            Greatest(
+                models.Value(deliver_at, output_field=models.DateTimeField()),
+                DbNow(),
+                output_field=models.DateTimeField(),
+            )
         )
     return None
+
+
+class _DueTime(models.Expression):
+    """:func:`due_time`'s expression, resolved and compiled once per connection however
+    many columns of the INSERT use it (``next_retry_time`` and ``due_at``).
+
+    Django resolves and compiles an expression given as a field's value once per row and
+    column, and resolving date arithmetic is most of the cost of inserting a scheduled
+    row: without this, a block of 1,000 scheduled events took four times as long to build
+    its INSERT as one of unscheduled events. It refers to no column, so there is nothing
+    to resolve against the INSERT's query.
+    """
+
+    output_field = models.DateTimeField()
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self._compiled: dict[str, tuple[str, Any]] = {}
+
+    def resolve_expression(self, *args: Any, **kwargs: Any) -> _DueTime:
+        return self
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, Any]:
+        if connection.alias not in self._compiled:
+            inner = self.inner.resolve_expression(compiler.query, allow_joins=False)
+            self._compiled[connection.alias] = compiler.compile(inner)
+        return self._compiled[connection.alias]
 
 
 def scheduled_q(now: Any = None) -> models.Q:
@@ -354,7 +384,7 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             status=Status.PENDING,
             retry_count=0,
             next_retry_time=DbNow() if due is None else due,
-            due_at=None if due is None else due_time(deliver_at, delay),
+            due_at=due,
             created_at=DbNow(),
             **fields,
         )
