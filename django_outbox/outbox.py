@@ -252,7 +252,7 @@ def _schedule(deliver_at: Any, delay: Any) -> dict[str, Any]:
     if deliver_at is not None and delay is not None:
         raise InvalidEvent(
             "Pass deliver_at or delay, not both: deliver_at is a point in time, delay a "
-            "duration counted from the commit."
+            "duration counted from when the event is written, by the database clock."
         )
     if deliver_at is not None:
         _check_datetime(deliver_at, "deliver_at")
