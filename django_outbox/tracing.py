@@ -12,7 +12,8 @@ messaging semantic conventions (docs/tracing.md shows the tree):
   headers is kept as it is, and no create span is made (the convention's custom creation
   context).
 - the relay, for each event that carries a context: a CLIENT **publish** span, from the
-  row's ``created_at`` (the time in the outbox is in it) to the broker's confirm, a child
+  row's ``created_at`` (the time in the outbox is in it; a scheduled event's from its due
+  time) to the broker's confirm, a child
   of the event's creation context and linked to it; a failed or unconfirmed publish ends
   it with an error status and the reason.
 - a consumer handler (``consume_outbox``, the Celery ``IdempotentTask``): a CONSUMER
@@ -283,7 +284,8 @@ class PublishSpans:
 def start_publish(rows: Sequence[OutboxEvent], backend: BaseBackend) -> PublishSpans | None:
     """The relay's send step: a publish span for each row that carries a creation context.
 
-    Each starts when the row was written (``created_at``, the database's clock) and records
+    Each starts when the row became due (``created_at``, the database's clock, or for a
+    scheduled event its due time: waiting for it is not delivery time) and records
     when it was handed to the broker (``sent`` event); :class:`PublishSpans` ends them.
     None when no row carries a context or tracing is off.
     """
@@ -318,7 +320,7 @@ def _publish_span(row: OutboxEvent, backend: BaseBackend, context: Context, now:
         # when a "create" span exists).
         kind=SpanKind.CLIENT,
         links=[Link(creation)],
-        start_time=min(_nanoseconds(row.created_at), now) if row.created_at else now,
+        start_time=min(_nanoseconds(row.due_since), now) if row.created_at else now,
         attributes=_attributes(
             "publish",
             "send",

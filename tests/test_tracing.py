@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -409,3 +410,21 @@ def test_two_events_of_two_traces_relayed_in_one_batch_each_keep_their_trace(spa
         parent = creates[span.parent.span_id]
         assert span.context.trace_id == parent.context.trace_id
         assert span.attributes["messaging.message.id"] == parent.attributes["messaging.message.id"]
+
+
+def test_a_scheduled_events_publish_span_starts_when_it_became_due(spans):
+    """Waiting for its time is what the event was asked to do, not time spent delivering it
+    (as django_outbox_commit_to_confirm_seconds counts it)."""
+    with tracer().start_as_current_span("POST /orders"), outbox.atomic() as box:
+        box.emit("REMIND", payload={}, delay=3600)
+    row = OutboxEvent.objects.get()
+    OutboxEvent.objects.filter(pk=row.pk).update(
+        created_at=row.created_at - timedelta(hours=1),
+        next_retry_time=row.due_at - timedelta(hours=1),
+        due_at=row.due_at - timedelta(hours=1),
+    )
+    make_relay().drain()
+    row.refresh_from_db()
+    publish = one(spans.get_finished_spans(), "publish")
+    assert publish.start_time == int(row.due_at.timestamp() * 1e9)
+    assert publish.start_time > int(row.created_at.timestamp() * 1e9)
