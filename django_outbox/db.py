@@ -9,7 +9,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
 from ._compat.django import clear_errors, forget_connection, had_errors
@@ -37,6 +37,28 @@ class DbNow(Now):
         # same local time, as PostgreSQL's session time zone does there.
         template = "STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'now', 'localtime')"
         return self.as_sql(compiler, connection, template=template, **extra_context)
+
+
+@contextmanager
+def read_committed_atomic(using: str) -> Iterator[None]:
+    """``transaction.atomic(using)`` whose transaction runs at READ COMMITTED on
+    MySQL/MariaDB, whatever the connection's own level (Django's default is READ COMMITTED,
+    but ``isolation_level`` may say otherwise).
+
+    For writes that must not hold InnoDB's gap locks: under REPEATABLE READ a statement
+    that scans (a plan the optimizer may choose on a small table, or a range of ids) locks
+    every row it reads and the gap after the last one, and an INSERT at the end of the
+    table (an ``emit()``) waits until it commits. READ COMMITTED locks only the rows it
+    changes. Inside a transaction already open, the level is that transaction's.
+    """
+    connection = connections[using]
+    outermost = not connection.in_atomic_block
+    with transaction.atomic(using=using):
+        if outermost and connection.vendor == "mysql":
+            with connection.cursor() as cursor:
+                # No SESSION: the transaction that this block just began, and no other.
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        yield
 
 
 def vendor(using: str) -> str:

@@ -8,7 +8,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models, router
 from django.utils.translation import gettext_lazy as _
 
-from .querysets import OutboxEventQuerySet
+from .querysets import InboxMessageQuerySet, OutboxEventQuerySet
 from .states import Status
 
 __all__ = ["AggregateSequence", "InboxMessage", "OutboxEvent", "Status", "outbox_db"]
@@ -138,6 +138,8 @@ class InboxMessage(models.Model):
     source_event_id = models.CharField(_("source event id"), max_length=64)
     event_type = models.CharField(_("event type"), max_length=128, blank=True)
     processed_at = models.DateTimeField(_("processed at"), auto_now_add=True)
+
+    objects = InboxMessageQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("inbox message")

@@ -26,22 +26,23 @@ nothing that another relay has claimed or settled since.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections, models, transaction
 from django.db.models.functions import Coalesce, Greatest
 
 from . import ordering
 from ._compat.django import build_rows
-from .db import DbNow
+from .db import DbNow, read_committed_atomic
 from .exceptions import error_text
 from .states import Status
 
 if TYPE_CHECKING:
-    from .models import OutboxEvent
+    from .models import InboxMessage, OutboxEvent  # noqa: F401 (InboxMessage: a type argument)
     from .retry import RetryPolicy
 
 # What a claim loads: what a message is built from, a settle and the confirm latency
@@ -64,6 +65,10 @@ CLAIM_FIELDS = (
     "status",
     "lease_token",
 )
+
+
+_M = TypeVar("_M", bound=models.Model)
+_Q = TypeVar("_Q", bound="BatchedQuerySet[Any]")
 
 
 def _seconds(value: float | timedelta) -> timedelta:
@@ -148,7 +153,91 @@ class _AnyOf(models.Lookup):
         return f"{lhs} = ANY(%s)", (*lhs_params, self.rhs)
 
 
-class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
+class BatchedQuerySet(models.QuerySet[_M]):
+    """What every table of this app that is deleted from in bulk shares: selection by a
+    list of primary keys, and deletion in short batches."""
+
+    def with_ids(self: _Q, ids: Sequence[int]) -> _Q:
+        """Rows whose id is one of ``ids`` (``pk__in``).
+
+        On PostgreSQL the ids travel as one array (``id = ANY(%s)``): a relay's batch has
+        hundreds, and ``IN (%s, %s, ...)`` makes a statement too long for psycopg's cache of
+        parsed queries, with each id prepared by the field on every settle.
+        """
+        if connections[self.db].vendor == "postgresql":
+            return self.filter(_AnyOf(models.F("pk"), list(ids)))
+        return self.filter(pk__in=ids)
+
+    def delete_in_batches(
+        self,
+        batch_size: int,
+        *,
+        on_batch: Callable[[int, float], None] | None = None,
+        pause_ratio: float = 0.0,
+    ) -> tuple[int, int]:
+        """Delete the rows of this queryset, ``batch_size`` at a time, each batch in its own
+        short transaction. Returns (rows deleted, batches); ``on_batch`` and
+        ``pause_ratio`` as for :meth:`_in_batches`."""
+        # Nothing references outbox or inbox rows, so each batch is one DELETE of its ids.
+        return self._in_batches(
+            batch_size, lambda batch: batch.delete()[0], on_batch=on_batch, pause_ratio=pause_ratio
+        )
+
+    def _in_batches(
+        self: _Q,
+        batch_size: int,
+        change: Callable[[_Q], int],
+        limit: int | None = None,
+        *,
+        on_batch: Callable[[int, float], None] | None = None,
+        pause_ratio: float = 0.0,
+    ) -> tuple[int, int]:
+        """Apply ``change`` to the rows of this queryset, oldest first, ``batch_size`` (and
+        at most ``limit`` in all) at a time, each batch in its own short transaction, so a
+        bulk operation never holds many row locks for long. ``change`` gets this queryset
+        narrowed to the batch's ids and returns how many rows it changed. Returns (rows
+        changed, batches).
+
+        Each batch runs at READ COMMITTED on MySQL/MariaDB (:func:`read_committed_atomic`),
+        so it holds no gap lock an ``emit()`` would wait for. After each batch but the last
+        it sleeps ``pause_ratio`` times as long as the batch took: a batch takes the disk and
+        the log (every changed row is a change to each index of the table), and the pause
+        hands them back to the application's writers; a slow batch (a busy server) buys a
+        longer pause. ``on_batch(rows, seconds)`` is called after each batch has committed,
+        with the rows it changed and how long its transaction took.
+        """
+        changed = batches = 0
+        last_id = 0
+        remaining = limit
+        while remaining is None or remaining > 0:
+            size = batch_size if remaining is None else min(batch_size, remaining)
+            started = time.perf_counter()
+            with read_committed_atomic(self.db):
+                # Walking up the id keeps every SELECT a short range scan, even if a row of
+                # the previous batch could not be changed; this queryset's filter is checked
+                # again by the change, so a row whose state moved meanwhile is left alone.
+                ids = list(
+                    self.filter(pk__gt=last_id).order_by("pk").values_list("pk", flat=True)[:size]
+                )
+                if not ids:
+                    break
+                count = change(self.with_ids(ids))
+            took = time.perf_counter() - started
+            batches += 1
+            changed += count
+            last_id = ids[-1]
+            if on_batch is not None:
+                on_batch(count, took)
+            if remaining is not None:
+                remaining -= len(ids)
+            if len(ids) < size:
+                break
+            if pause_ratio > 0 and (remaining is None or remaining > 0):
+                time.sleep(took * pause_ratio)
+        return changed, batches
+
+
+class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
     def pending(self) -> OutboxEventQuerySet:
         """Not yet confirmed by the broker (including rows leased by a relay right now)."""
         return self.filter(status=Status.PENDING)
@@ -182,17 +271,6 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
 
     def for_aggregate(self, aggregate_type: str, aggregate_id: str) -> OutboxEventQuerySet:
         return self.filter(aggregate_type=aggregate_type, aggregate_id=str(aggregate_id))
-
-    def with_ids(self, ids: Sequence[int]) -> OutboxEventQuerySet:
-        """Rows whose id is one of ``ids`` (``pk__in``).
-
-        On PostgreSQL the ids travel as one array (``id = ANY(%s)``): a relay's batch has
-        hundreds, and ``IN (%s, %s, ...)`` makes a statement too long for psycopg's cache of
-        parsed queries, with each id prepared by the field on every settle.
-        """
-        if connections[self.db].vendor == "postgresql":
-            return self.filter(_AnyOf(models.F("pk"), list(ids)))
-        return self.filter(pk__in=ids)
 
     def claim(
         self,
@@ -531,47 +609,15 @@ class OutboxEventQuerySet(models.QuerySet["OutboxEvent"]):
             .update(status=Status.DEAD, lease_token="", updated_at=DbNow())
         )
 
-    def delete_in_batches(self, batch_size: int) -> tuple[int, int]:
-        """Delete the rows of this queryset, ``batch_size`` at a time, each batch in its own
-        short transaction. Returns (rows deleted, batches)."""
-        # Nothing references outbox rows, so each batch is one DELETE of its ids.
-        return self._in_batches(batch_size, lambda batch: batch.delete()[0])
-
-    def _in_batches(
-        self,
-        batch_size: int,
-        change: Callable[[OutboxEventQuerySet], int],
-        limit: int | None = None,
-    ) -> tuple[int, int]:
-        """Apply ``change`` to the rows of this queryset, oldest first, ``batch_size`` (and
-        at most ``limit`` in all) at a time, each batch in its own short transaction, so a
-        bulk operation never holds many row locks for long. ``change`` gets this queryset
-        narrowed to the batch's ids and returns how many rows it changed. Returns (rows
-        changed, batches)."""
-        changed = batches = 0
-        last_id = 0
-        remaining = limit
-        while remaining is None or remaining > 0:
-            size = batch_size if remaining is None else min(batch_size, remaining)
-            with transaction.atomic(using=self.db):
-                # Walking up the id keeps every SELECT a short range scan, even if a row of
-                # the previous batch could not be changed; this queryset's filter is checked
-                # again by the change, so a row whose state moved meanwhile is left alone.
-                ids = list(
-                    self.filter(pk__gt=last_id).order_by("pk").values_list("pk", flat=True)[:size]
-                )
-                if not ids:
-                    break
-                count = change(self.with_ids(ids))
-            batches += 1
-            changed += count
-            last_id = ids[-1]
-            if remaining is not None:
-                remaining -= len(ids)
-            if len(ids) < size:
-                break
-        return changed, batches
-
     def status_counts(self) -> dict[int, int]:
         rows: Any = self.order_by().values_list("status").annotate(n=models.Count("id"))
         return {status: n for status, n in rows}
+
+
+class InboxMessageQuerySet(BatchedQuerySet["InboxMessage"]):
+    """The consumers' inbox: rows are inserted by the consumer and deleted by purge_outbox."""
+
+    def processed_before(self, days: float) -> InboxMessageQuerySet:
+        """Rows processed more than ``days`` ago, by the database clock (the
+        ``processed_at`` index ``django_outbox_inbox_at_idx`` serves it)."""
+        return self.filter(processed_at__lt=DbNow() - timedelta(days=days))
