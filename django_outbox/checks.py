@@ -41,6 +41,9 @@ class Codes:
     MESSAGE_FORMAT = "django_outbox.E018"
     CLOUDEVENTS_SOURCE = "django_outbox.E019"
     TRACING_NO_API = "django_outbox.E022"
+    # Inbox retention (purge_outbox):
+    INBOX_RETENTION = "django_outbox.E024"
+    INBOX_RETENTION_SHORT = "django_outbox.E025"
 
 
 class Messages:
@@ -83,6 +86,15 @@ class Messages:
     TRACING_NO_API = (
         "OUTBOX_TRACING is True but opentelemetry-api is not installed: no trace context is "
         "captured and no span is recorded."
+    )
+    INBOX_RETENTION = (
+        "OUTBOX_INBOX_RETENTION_DAYS must be a positive number of days or None, got {value!r}."
+    )
+    INBOX_RETENTION_SHORT = (
+        "OUTBOX_INBOX_RETENTION_DAYS ({inbox:g}) is shorter than OUTBOX_RETENTION_DAYS "
+        "({sent:g}): an event can be replayed or requeued as long as its outbox row is kept, "
+        "and its inbox row must still be there to catch the duplicate; purge_outbox keeps "
+        "inbox rows {sent:g} days."
     )
 
 
@@ -144,6 +156,14 @@ class Hints:
         "Install the otel extra: pip install 'django-transactional-outbox[otel]' (and "
         "configure the OpenTelemetry SDK), or remove OUTBOX_TRACING from the settings."
     )
+    INBOX_RETENTION = (
+        "Set OUTBOX_INBOX_RETENTION_DAYS = 14 (the default), another number of days, or None "
+        "to keep the inbox for good."
+    )
+    INBOX_RETENTION_SHORT = (
+        "Set OUTBOX_INBOX_RETENTION_DAYS to {sent:g} or more (default 14), at least the "
+        "retention of the services whose events this one consumes."
+    )
 
 
 #: Settings that must be positive: name without the prefix, and whether whole numbers only.
@@ -160,6 +180,10 @@ POSITIVE_SETTINGS: tuple[tuple[str, bool], ...] = (
     ("COMPENSATE_RETRY_DELAY", False),
     ("RETENTION_DAYS", False),
 )
+
+
+#: Settings that must be a number >= 0 (0 turns the feature off), reported like the above.
+NON_NEGATIVE_SETTINGS: tuple[str, ...] = ("PURGE_PAUSE_RATIO",)
 
 
 def _positive(value: Any) -> bool:
@@ -200,15 +224,21 @@ def check_positive_numbers(app_configs: Any = None, **kwargs: Any) -> list[Check
         if _positive(value) and (isinstance(value, int) or not whole):
             continue
         rule = "a positive integer" if whole else "a positive number"
-        default = OutboxSettings.defaults()[PREFIX + name].default
-        errors.append(
-            Error(
-                Messages.NUMBERS.format(name=PREFIX + name, rule=rule, value=value),
-                hint=Hints.NUMBERS.format(name=PREFIX + name, rule=rule, default=default),
-                id=Codes.NUMBERS,
-            )
-        )
+        errors.append(_number_error(name, rule, value))
+    for name in NON_NEGATIVE_SETTINGS:
+        value = getattr(outbox_settings, name)
+        if not (_positive(value) or (value == 0 and not isinstance(value, bool))):
+            errors.append(_number_error(name, "a number >= 0", value))
     return errors
+
+
+def _number_error(name: str, rule: str, value: Any) -> CheckMessage:
+    default = OutboxSettings.defaults()[PREFIX + name].default
+    return Error(
+        Messages.NUMBERS.format(name=PREFIX + name, rule=rule, value=value),
+        hint=Hints.NUMBERS.format(name=PREFIX + name, rule=rule, default=default),
+        id=Codes.NUMBERS,
+    )
 
 
 @register()
@@ -232,6 +262,32 @@ def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     if not _positive(days) or days >= 3:
         return []
     return [Warning(Messages.RETENTION.format(days=days), hint=Hints.RETENTION, id=Codes.RETENTION)]
+
+
+@register()
+def check_inbox_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    inbox, sent = outbox_settings.INBOX_RETENTION_DAYS, outbox_settings.RETENTION_DAYS
+    if inbox is None:
+        return []
+    if not _positive(inbox):
+        return [
+            Error(
+                Messages.INBOX_RETENTION.format(value=inbox),
+                hint=Hints.INBOX_RETENTION,
+                id=Codes.INBOX_RETENTION,
+            )
+        ]
+    # A bad OUTBOX_RETENTION_DAYS is check_positive_numbers' to report; the default (14)
+    # follows a longer outbox retention by itself: only a value the project chose is wrong.
+    if not _positive(sent) or inbox >= sent or not outbox_settings.is_set("INBOX_RETENTION_DAYS"):
+        return []
+    return [
+        Error(
+            Messages.INBOX_RETENTION_SHORT.format(inbox=inbox, sent=sent),
+            hint=Hints.INBOX_RETENTION_SHORT.format(sent=sent),
+            id=Codes.INBOX_RETENTION_SHORT,
+        )
+    ]
 
 
 @register()

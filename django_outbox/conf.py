@@ -219,8 +219,20 @@ class OutboxSettings:
         7.0, "purge_outbox deletes SENT rows older than this many days (at least 3)."
     )
     PURGE_BATCH_SIZE: Setting[int] = Setting(1000, "Rows deleted per purge statement.")
+    PURGE_PAUSE_RATIO: Setting[float] = Setting(
+        1.0,
+        "purge_outbox sleeps this many times as long as each batch took before the next "
+        "(1: half the time, for the application's writers; 0: no pause).",
+    )
     PURGE_DEAD: Setting[bool] = Setting(
         False, "Let purge_outbox delete DEAD rows past retention too (they are undelivered)."
+    )
+
+    # --- inbox retention (purge_outbox) ---------------------------------------------------
+    INBOX_RETENTION_DAYS: Setting[float | None] = Setting(
+        14.0,
+        "purge_outbox deletes inbox rows processed longer ago than this many days, never "
+        "sooner than SENT rows (OUTBOX_RETENTION_DAYS); None keeps them.",
     )
 
     # --- monitoring -----------------------------------------------------------------------
@@ -263,6 +275,13 @@ class OutboxSettings:
     @classmethod
     def defaults(cls) -> dict[str, Setting[Any]]:
         return {v.setting_name: v for v in vars(cls).values() if isinstance(v, Setting)}
+
+    @staticmethod
+    def is_set(name: str) -> bool:
+        """Whether the project's settings give ``OUTBOX_<name>`` (else the default is used)."""
+        from django.conf import settings as django_settings
+
+        return hasattr(django_settings, PREFIX + name)
 
 
 outbox_settings = OutboxSettings()

@@ -82,7 +82,8 @@ def purge(
     batch_size: int | None = None,
     include_dead: bool | None = None,
 ) -> dict[str, Any]:
-    """Delete old SENT rows in batches, like ``purge_outbox`` (same settings)."""
+    """Delete old SENT rows and old inbox rows in batches, like ``purge_outbox`` (same
+    settings)."""
     using = outbox_db()
     with run_lock("purge", using) as held:
         if not held:
@@ -93,5 +94,12 @@ def purge(
             include_dead=include_dead,
             using=using,
         )
+    for warning in result.warnings:
+        logger.warning("purge: %s", warning)
     logger.info("%s", result.summary())
-    return {"sent": result.sent, "dead": result.dead, "batches": result.batches}
+    return {
+        "sent": result.sent,
+        "dead": result.dead,
+        "batches": result.batches,
+        "inbox": result.inbox,
+    }

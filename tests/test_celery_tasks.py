@@ -90,7 +90,7 @@ def test_purge_task_deletes_old_sent_rows():
         status=Status.SENT, created_at=DbNow() - timedelta(days=10)
     )
     emit(1)
-    assert tasks.purge.apply().get() == {"sent": 2, "dead": 0, "batches": 1}
+    assert tasks.purge.apply().get() == {"sent": 2, "dead": 0, "batches": 1, "inbox": 0}
     assert OutboxEvent.objects.count() == 1
 
 

@@ -2,6 +2,7 @@
 
 - :func:`make_events` inserts rows at chosen ages, measured back from the database clock as
   the relay and the figures measure them;
+- :func:`make_inbox` inserts consumer inbox rows processed at chosen ages (database clock);
 - :func:`unsaved_event` builds a row that is never saved, only handed to the encoders, a
   backend or a consumer; :func:`wire_rows` is a batch of them whose every field shows on
   the wire.
@@ -17,7 +18,7 @@ from typing import Any
 from django.db import connections
 from django.utils import timezone as django_timezone
 
-from django_outbox.models import OutboxEvent, Status, outbox_db
+from django_outbox.models import InboxMessage, OutboxEvent, Status, outbox_db
 from django_outbox.stats import db_now
 
 #: ``occurred_at`` of :func:`wire_rows`: microseconds, so that their encoding shows.
@@ -65,6 +66,22 @@ def make_events(*specs: dict[str, Any] | tuple[str, str], **common: Any) -> list
         return OutboxEvent.objects.using(using).bulk_create(rows, batch_size=2000)
     for row in rows:  # MySQL returns no ids from a bulk insert
         row.save(using=using, force_insert=True)
+    return rows
+
+
+def make_inbox(*ages_days: float, handler: str = "tests.Handler") -> list[InboxMessage]:
+    """One inbox row per age: processed ``age`` days before the database clock's now.
+
+    ``processed_at`` is ``auto_now_add``, so it is set by an update after the insert.
+    """
+    now = db_now()
+    rows = []
+    for age in ages_days:
+        row = InboxMessage.objects.create(
+            handler=handler, source_event_id=uuid.uuid4().hex, event_type="ORDER_CREATED"
+        )
+        InboxMessage.objects.filter(pk=row.pk).update(processed_at=now - timedelta(days=age))
+        rows.append(row)
     return rows
 
 

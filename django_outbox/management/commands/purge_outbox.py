@@ -1,4 +1,5 @@
-"""manage.py purge_outbox: delete old SENT outbox rows in batches (a daily CronJob).
+"""manage.py purge_outbox: delete old SENT outbox rows and old inbox rows in batches (a
+daily CronJob).
 
 Exit codes: 0 done (also when nothing was old enough); 2 misconfigured (retention below 3
 days without --force) or the database unreachable.
@@ -20,7 +21,8 @@ from ..options import days, positive_int
 class Command(DatabaseCommand):
     help = (
         "Delete SENT outbox rows older than the retention (OUTBOX_RETENTION_DAYS, 7) in "
-        "batches; DEAD rows only with --include-dead. PENDING rows are never deleted."
+        "batches; DEAD rows only with --include-dead. PENDING rows are never deleted. Inbox "
+        "rows go after OUTBOX_INBOX_RETENTION_DAYS (14), never sooner than SENT rows."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -77,14 +79,21 @@ class Command(DatabaseCommand):
                     dry_run=dry_run,
                     force=force,
                     using=database,
+                    on_batch=self._print_batch if options["verbosity"] >= 2 else None,
                 )
         except RetentionTooShort as exc:
             raise CommandError(str(exc), returncode=2) from exc
         except ValueError as exc:
             raise CommandError(
-                f"{exc} Check OUTBOX_RETENTION_DAYS and OUTBOX_PURGE_BATCH_SIZE "
-                f"(now {outbox_settings.RETENTION_DAYS!r}, "
-                f"{outbox_settings.PURGE_BATCH_SIZE!r}).",
+                f"{exc} Check OUTBOX_RETENTION_DAYS, OUTBOX_PURGE_BATCH_SIZE and "
+                f"OUTBOX_INBOX_RETENTION_DAYS (now {outbox_settings.RETENTION_DAYS!r}, "
+                f"{outbox_settings.PURGE_BATCH_SIZE!r}, "
+                f"{outbox_settings.INBOX_RETENTION_DAYS!r}).",
                 returncode=2,
             ) from exc
+        for warning in result.warnings:
+            self.stderr.write(f"purge_outbox: {warning}", self.style.WARNING)
         self.stdout.write(result.summary())
+
+    def _print_batch(self, kind: str, rows: int, seconds: float) -> None:
+        self.stdout.write(f"purge_outbox: {rows} {kind} row(s) deleted in {seconds * 1000:.0f} ms")
