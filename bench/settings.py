@@ -14,6 +14,9 @@ DEBUG = False
 OUTBOX_BACKEND = "django_outbox.backends.pika.PikaBackend"
 OUTBOX_BROKER_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 OUTBOX_EXCHANGE = os.environ.get("BENCH_EXCHANGE", "outbox")
+# purge_bench --isolation: the MariaDB isolation level of the bench and its child processes.
+if os.environ.get("BENCH_ISOLATION") and DATABASES["default"]["ENGINE"].endswith("mysql"):  # noqa: F405
+    DATABASES["default"]["OPTIONS"]["isolation_level"] = os.environ["BENCH_ISOLATION"]  # noqa: F405
 SILENCED_SYSTEM_CHECKS = ["django_outbox.W004"]
 # Warnings and errors only: the relay's INFO lines would be timed along with the work.
 LOGGING = {
