@@ -26,7 +26,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
@@ -37,7 +37,7 @@ from . import ordering, requeue, stats
 from .backends.base import Reason
 from .conf import outbox_settings
 from .db import DbNow
-from .models import OutboxEvent, Status
+from .models import OutboxEvent, Status, outbox_db
 from .querysets import OutboxEventQuerySet, scheduled_q
 from .stats import format_age
 
@@ -337,7 +337,8 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def dashboard_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
-        snapshot = stats.collect()
+        databases = database_figures(request.GET.get("database"))
+        snapshot = stats.collect(using=databases.current)
         retries, table = snapshot.triage_matrix()
         changelist = reverse(f"{self.admin_site.name}:django_outbox_outboxevent_changelist")
         context = {
@@ -374,6 +375,9 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 )
                 for b in snapshot.blocked
             ],
+            **databases.context(
+                reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard")
+            ),
         }
         context.update(self._requeue_all_context(request, snapshot))
         request.current_app = self.admin_site.name
@@ -462,6 +466,54 @@ def requeue_all_selection(params: Any) -> tuple[requeue.Selection, str]:
         selection = requeue.Selection(error_contains=f"[{reason}]")
         option = f"--error-contains {shlex.quote(f'[{reason}]')}"
     return selection, f"python manage.py outbox_requeue {option}"
+
+
+# --- several databases: which outbox the dashboard shows ------------------------------------
+
+
+class DatabaseFigures:
+    """The outbox databases of the dashboard: the one shown (``?database=ALIAS``, default
+    the router's write alias) and, when there are several, each one's gauges."""
+
+    def __init__(self, current: str, aliases: list[str]) -> None:
+        self.current, self.aliases = current, aliases
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for alias in self.aliases:
+            try:
+                gauges: stats.Gauges | None = stats.gauges(alias)
+            except Exception:  # one database down must not hide the others
+                gauges = None
+            rows.append(
+                {
+                    "alias": alias,
+                    "gauges": gauges,
+                    "oldest": format_age(gauges.oldest_pending_age) if gauges else "",
+                    "warnings": bool(gauges and health_warnings(gauges)),
+                }
+            )
+        return rows
+
+    def context(self, dashboard_url: str) -> dict[str, Any]:
+        rows = self.rows() if len(self.aliases) > 1 else []
+        for row in rows:
+            row["url"] = f"{dashboard_url}?database={row['alias']}"
+        return {
+            "outbox_database": self.current,
+            "outbox_databases": rows,
+            # The changelist and its actions read the router's alias only.
+            "other_database": self.current != outbox_db(),
+        }
+
+
+def database_figures(requested: str | None) -> DatabaseFigures:
+    """The dashboard's databases; an alias that holds no outbox is a 404, not an error page."""
+    aliases = stats.outbox_databases()
+    if requested and requested not in aliases:
+        raise Http404(f"No outbox database {requested!r}.")
+    default = outbox_db() if outbox_db() in aliases else aliases[0]
+    return DatabaseFigures(requested or default, aliases)
 
 
 def _pretty(value: Any) -> str:

@@ -175,6 +175,7 @@ def beat_schedule(
     compensate_every: float = 300.0,
     purge_at: crontab | None = None,
     publish_every: float | None = None,
+    databases: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Celery beat entries for the periodic jobs, as the article schedules them.
 
@@ -182,7 +183,21 @@ def beat_schedule(
     ``publish_every`` seconds only if no ``publish_outbox`` worker runs. Each entry expires
     when the next one is due, so ticks that waited in a busy queue are dropped rather
     than run back to back; overlapping runs are also refused by the tasks' own lock.
+
+    ``databases``: the aliases whose outbox to work on, one set of entries each (named
+    ``outbox-compensate@ALIAS`` ...); None is the router's choice, as before.
     """
+    if databases is not None:
+        if not databases:
+            raise ValueError("databases must name at least one alias, or be None")
+        one = beat_schedule(
+            compensate_every=compensate_every, purge_at=purge_at, publish_every=publish_every
+        )
+        return {
+            f"{name}@{alias}": {**entry, "kwargs": {"database": alias}}
+            for alias in databases
+            for name, entry in one.items()
+        }
     purge_schedule = purge_at if purge_at is not None else crontab(hour=3, minute=30)
     schedule: dict[str, dict[str, Any]] = {
         "outbox-compensate": {

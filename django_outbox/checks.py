@@ -44,6 +44,9 @@ class Codes:
     # Inbox retention (purge_outbox):
     INBOX_RETENTION = "django_outbox.E024"
     INBOX_RETENTION_SHORT = "django_outbox.E025"
+    # Several databases:
+    ROUTED_UNMIGRATED = "django_outbox.W001"
+    UNKNOWN_ALIAS = "django_outbox.W002"
 
 
 class Messages:
@@ -96,6 +99,11 @@ class Messages:
         "and its inbox row must still be there to catch the duplicate; purge_outbox keeps "
         "inbox rows {sent:g} days."
     )
+    ROUTED_UNMIGRATED = (
+        "The outbox is {why} database {alias!r}, but the database router does not allow "
+        "django_outbox's migrations there: migrate never creates the outbox table on it."
+    )
+    UNKNOWN_ALIAS = "{where} names database {alias!r}, which is not in DATABASES."
 
 
 class Hints:
@@ -164,6 +172,11 @@ class Hints:
         "Set OUTBOX_INBOX_RETENTION_DAYS to {sent:g} or more (default 14), at least the "
         "retention of the services whose events this one consumes."
     )
+    ROUTED_UNMIGRATED = (
+        "Make the router's allow_migrate() return True for app 'django_outbox' on {alias!r}, "
+        "then run `manage.py migrate django_outbox --database {alias}`."
+    )
+    UNKNOWN_ALIAS = "Use one of {known}, or add {alias!r} to DATABASES."
 
 
 #: Settings that must be positive: name without the prefix, and whether whole numbers only.
@@ -471,3 +484,51 @@ def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     if getattr(settings, PREFIX + "TRACING", None) is not True or tracing.AVAILABLE:
         return []
     return [Error(Messages.TRACING_NO_API, hint=Hints.TRACING_NO_API, id=Codes.TRACING_NO_API)]
+
+
+# -- several databases -------------------------------------------------------------------------
+
+
+def _outbox_targets() -> list[tuple[str, str]]:
+    """(alias, why) of every database the outbox is sent to by configuration."""
+    from .models import OutboxEvent
+
+    targets = [(router.db_for_write(OutboxEvent), "written to (the router's choice) on")]
+    configured = outbox_settings.DATABASES
+    if isinstance(configured, (list, tuple)):
+        targets += [(alias, "shown (OUTBOX_DATABASES) from") for alias in configured]
+    return targets
+
+
+@register()
+def check_outbox_aliases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W002: an alias the outbox is routed to or shown from that DATABASES lacks (a
+    typo in a router or in OUTBOX_DATABASES); W001: one where migrate never creates
+    the table. Reads configuration only, so it runs with every command."""
+    from .models import OutboxEvent
+
+    known = list(settings.DATABASES)
+    messages: list[CheckMessage] = []
+    seen: set[str] = set()
+    for alias, why in _outbox_targets():
+        if alias in seen:
+            continue
+        seen.add(alias)
+        if alias not in known:
+            where = "OUTBOX_DATABASES" if "OUTBOX_DATABASES" in why else "The database router"
+            messages.append(
+                Warning(
+                    Messages.UNKNOWN_ALIAS.format(where=where, alias=alias),
+                    hint=Hints.UNKNOWN_ALIAS.format(known=", ".join(map(repr, known)), alias=alias),
+                    id=Codes.UNKNOWN_ALIAS,
+                )
+            )
+        elif not router.allow_migrate_model(alias, OutboxEvent):
+            messages.append(
+                Warning(
+                    Messages.ROUTED_UNMIGRATED.format(why=why, alias=alias),
+                    hint=Hints.ROUTED_UNMIGRATED.format(alias=alias),
+                    id=Codes.ROUTED_UNMIGRATED,
+                )
+            )
+    return messages

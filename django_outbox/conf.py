@@ -240,6 +240,13 @@ class OutboxSettings:
         300.0, "Admin banner when the oldest PENDING event is older than this (seconds)."
     )
 
+    # --- several databases ---------------------------------------------------------------
+    DATABASES: Setting[list[str] | None] = Setting(
+        None,
+        "Aliases whose outbox the admin dashboard and the gauges show; None: the router's "
+        "write alias and every other alias that holds the outbox table.",
+    )
+
     # --- consumers -----------------------------------------------------------------------
     CONSUMER_HANDLERS: Setting[list[str]] = Setting(
         [], "Dotted paths of IdempotentHandler subclasses consume_outbox runs."

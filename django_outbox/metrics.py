@@ -38,56 +38,62 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 EVENTS_PUBLISHED = Counter(
     "django_outbox_events_published_total",
     "Events confirmed by the broker and marked SENT.",
-    ["event_type", "job"],
+    ["event_type", "job", "database"],
 )
 PUBLISH_FAILURES = Counter(
     "django_outbox_publish_failures_total",
     "Failed publish attempts, by reason (unroutable, nacked, timeout, connection_lost, ...).",
-    ["reason", "job"],
+    ["reason", "job", "database"],
 )
 EVENTS_DEAD = Counter(
     "django_outbox_events_dead_total",
     "Events that became DEAD (dead letters).",
-    ["job"],
+    ["job", "database"],
 )
 COMMIT_TO_CONFIRM = Histogram(
     "django_outbox_commit_to_confirm_seconds",
     "Time from when the event became due (its creation, or its scheduled time; database "
     "clock) to its broker confirm.",
+    ["database"],
     buckets=LATENCY_BUCKETS,
 )
 BATCH_DURATION = Histogram(
     "django_outbox_batch_duration_seconds",
     "Duration of one claim-publish-settle batch.",
-    ["job"],
+    ["job", "database"],
 )
 
 
-def published(event_types: Iterable[str], job: str) -> None:
+# ``database`` is the alias of the outbox the relay works on (``--database``): one relay
+# process per alias, so a project with several databases tells their figures apart.
+
+
+def published(event_types: Iterable[str], job: str, database: str) -> None:
     counts: dict[str, int] = {}
     for event_type in event_types:
         counts[event_type] = counts.get(event_type, 0) + 1
     for event_type, n in counts.items():
-        EVENTS_PUBLISHED.labels(event_type=event_type, job=job).inc(n)
+        EVENTS_PUBLISHED.labels(event_type=event_type, job=job, database=database).inc(n)
 
 
-def failed(reason: str, n: int, job: str) -> None:
+def failed(reason: str, n: int, job: str, database: str) -> None:
     if n:
-        PUBLISH_FAILURES.labels(reason=reason, job=job).inc(n)
+        PUBLISH_FAILURES.labels(reason=reason, job=job, database=database).inc(n)
 
 
-def dead(n: int, job: str) -> None:
+def dead(n: int, job: str, database: str) -> None:
     if n:
-        EVENTS_DEAD.labels(job=job).inc(n)
+        EVENTS_DEAD.labels(job=job, database=database).inc(n)
 
 
-def confirm_latencies(seconds: Iterable[float]) -> None:
+def confirm_latencies(seconds: Iterable[float], database: str) -> None:
+    histogram = COMMIT_TO_CONFIRM.labels(database=database)
     for value in seconds:
-        COMMIT_TO_CONFIRM.observe(max(value, 0.0))
+        histogram.observe(max(value, 0.0))
 
 
-def batch_duration(seconds: float, job: str) -> None:
-    BATCH_DURATION.labels(job=job).observe(seconds)
+def batch_duration(seconds: float, job: str, database: str) -> None:
+    BATCH_DURATION.labels(job=job, database=database).observe(seconds)
 
 
 # --- database gauges, read at scrape time ---------------------------------------------------
@@ -127,9 +133,12 @@ _GAUGE_HELP = {
 class OutboxCollector(Collector):
     """Reads the outbox gauges from the database each time Prometheus scrapes.
 
-    A scrape never fails because of the database: when it cannot be read the collector
-    reports ``django_outbox_database_up 0`` and leaves the other gauges out (so an alert on
-    them does not fire on stale numbers; alert on ``database_up`` or ``absent()`` instead).
+    One sample per outbox database, labelled ``database`` with its alias: ``using`` when
+    given (a relay's ``--database``), else every alias of
+    :func:`~django_outbox.stats.outbox_databases`. A scrape never fails because of a
+    database: one that cannot be read reports ``django_outbox_database_up 0`` and no other
+    gauge (so an alert on them does not fire on stale numbers; alert on ``database_up`` or
+    ``absent()`` instead).
     """
 
     def __init__(self, using: str | None = None) -> None:
@@ -139,32 +148,41 @@ class OutboxCollector(Collector):
         # Without describe(), registering would call collect() and hit the database at
         # import time; the names alone are enough for the registry's duplicate check.
         for name, help_text in _GAUGE_HELP.items():
-            yield GaugeMetricFamily(name, help_text)
+            yield GaugeMetricFamily(name, help_text, labels=["database"])
+
+    def databases(self) -> list[str]:
+        from . import stats
+
+        # At each scrape, not once: DATABASE_ROUTERS and OUTBOX_DATABASES are read at use.
+        return [self.using] if self.using else stats.outbox_databases()
 
     def collect(self) -> Iterator[Metric]:
         from . import stats
-        from .models import outbox_db
 
-        started = time.monotonic()
-        # At each scrape, not once: DATABASE_ROUTERS is read at use, like every setting.
-        using = outbox_db(self.using)
-        try:
-            figures = stats.gauges(using)
-        except Exception as exc:  # any database trouble must not break the whole scrape
-            logger.warning("Cannot read the outbox gauges from database %r: %s", using, exc)
-            yield GaugeMetricFamily(DATABASE_UP, _GAUGE_HELP[DATABASE_UP], value=0)
-            return
-        elapsed = time.monotonic() - started
-        for name, value in (
-            (PENDING_EVENTS, figures.pending),
-            (DEAD_EVENTS, figures.dead),
-            (OLDEST_PENDING_AGE, figures.oldest_pending_age),
-            (BLOCKED_AGGREGATES, figures.blocked_aggregates),
-            (SCHEDULED_EVENTS, figures.scheduled),
-            (DATABASE_UP, 1),
-            (SCRAPE_DURATION, elapsed),
-        ):
-            yield GaugeMetricFamily(name, _GAUGE_HELP[name], value=value)
+        families = {
+            name: GaugeMetricFamily(name, help_text, labels=["database"])
+            for name, help_text in _GAUGE_HELP.items()
+        }
+        for using in self.databases():
+            started = time.monotonic()
+            try:
+                figures = stats.gauges(using)
+            except Exception as exc:  # any database trouble must not break the whole scrape
+                logger.warning("Cannot read the outbox gauges from database %r: %s", using, exc)
+                families[DATABASE_UP].add_metric([using], 0)
+                continue
+            elapsed = time.monotonic() - started
+            for name, value in (
+                (PENDING_EVENTS, figures.pending),
+                (DEAD_EVENTS, figures.dead),
+                (OLDEST_PENDING_AGE, figures.oldest_pending_age),
+                (BLOCKED_AGGREGATES, figures.blocked_aggregates),
+                (SCHEDULED_EVENTS, figures.scheduled),
+                (DATABASE_UP, 1),
+                (SCRAPE_DURATION, elapsed),
+            ):
+                families[name].add_metric([using], value)
+        yield from (family for family in families.values() if family.samples)
 
 
 _collector: OutboxCollector | None = None
@@ -217,16 +235,17 @@ class _RestrictedClosingRegistry:
             connections.close_all()
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> Any:
+def start_metrics_server(port: int, addr: str = "0.0.0.0", *, using: str | None = None) -> Any:
     """Serve the metrics of this process on ``http://addr:port/metrics`` (daemon thread).
 
-    Used by the worker commands' ``--metrics-port``. Returns the WSGI server; call its
-    ``shutdown()`` and ``server_close()`` to stop it (tests do). Port 0 picks a free port
-    (``server.server_port`` tells which).
+    Used by the worker commands' ``--metrics-port``; ``using`` (their ``--database``)
+    limits the database gauges to that alias, the one the process works on. Returns the
+    WSGI server; call its ``shutdown()`` and ``server_close()`` to stop it (tests do).
+    Port 0 picks a free port (``server.server_port`` tells which).
     """
     from prometheus_client import start_wsgi_server
 
-    register_collector()
+    register_collector().using = using
     server, _thread = start_wsgi_server(port, addr=addr, registry=_ClosingRegistry())  # type: ignore[arg-type]
     logger.info("Serving Prometheus metrics on %s:%d/metrics", addr, server.server_port)
     return server

@@ -35,13 +35,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from django.conf import settings
-from django.db import connections
+from django.db import connections, router
 from django.db.models import Case, CharField, Count, Min, Q, Value, When
 from django.db.models.functions import TruncMinute
 from django.db.models.sql import Query
 from django.utils import timezone as django_timezone
 
 from . import ordering
+from .conf import outbox_settings
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
 from .querysets import due_since, scheduled_q
@@ -525,3 +526,41 @@ def dead_reasons(reasons: Sequence[str], using: str | None = None) -> list[DeadR
         )
         result.append(DeadReason(reason=value, count=n, last_error=next(iter(latest), "")))
     return result
+
+
+# -- several databases -------------------------------------------------------------------------
+
+
+def outbox_databases() -> list[str]:
+    """The aliases whose outbox the dashboard and the gauges show, the write alias first.
+
+    ``OUTBOX_DATABASES`` when set (each shown, as down when it cannot be read); else the
+    router's write alias (:func:`~django_outbox.models.outbox_db`) and every other alias
+    the router lets the outbox migrate to that answers and holds the table. Looking is
+    one catalogue query per alias; an alias that cannot be reached is left out, so pin
+    the list in a project whose second database must show as down when it is down.
+    """
+    configured = outbox_settings.DATABASES  # an empty list counts as unset
+    if configured:
+        return list(configured)
+    write = outbox_db()
+    found = [write]
+    found += [
+        alias
+        for alias in connections
+        if alias != write
+        and router.allow_migrate_model(alias, OutboxEvent)
+        and holds_outbox_table(alias)
+    ]
+    return found
+
+
+def holds_outbox_table(using: str) -> bool:
+    """Whether database ``using`` answers and has the outbox table (its migrations ran)."""
+    connection = connections[using]
+    try:
+        with connection.cursor() as cursor:
+            tables = connection.introspection.table_names(cursor)
+    except Exception:  # down, or (in tests) an alias the test may not use
+        return False
+    return OutboxEvent._meta.db_table in tables

@@ -14,6 +14,11 @@ lock belongs to the run's connection, so a worker that dies releases it with its
 connection, and there is no expiry to guess (a cache lock that expires before a long purge
 ends lets a second purge start; one that outlives a crashed worker blocks the job).
 
+**Several databases.** Each task takes ``database`` (an alias, default the router's choice
+for the outbox), like the commands' ``--database``; ``beat_schedule(databases=[...])``
+schedules one entry per alias. The lock is per database, so the aliases' runs never skip
+each other.
+
 A run that finds the broker unreachable raises :class:`~django_outbox.relay.BrokerOutage`
 (an expected error: the task fails without a traceback); its claimed rows were released
 without counting an attempt, and the next tick tries again.
@@ -62,16 +67,23 @@ def _drain(relay: Relay, job: str, max_events: int | None = None) -> dict[str, A
 
 
 @shared_task(name=PUBLISH_TASK, throws=(BrokerOutage,))
-def publish(*, batch_size: int | None = None, max_events: int | None = None) -> dict[str, Any]:
+def publish(
+    *, batch_size: int | None = None, max_events: int | None = None, database: str | None = None
+) -> dict[str, Any]:
     """One relay pass, like ``publish_outbox --once``: drain what is due, then return."""
-    return _drain(Relay(batch_size=batch_size), "publish", max_events)
+    return _drain(Relay(batch_size=batch_size, using=database), "publish", max_events)
 
 
 @shared_task(name=COMPENSATE_TASK, throws=(BrokerOutage,))
-def compensate(*, stale_after: float | None = None, max_batch: int | None = None) -> dict[str, Any]:
+def compensate(
+    *,
+    stale_after: float | None = None,
+    max_batch: int | None = None,
+    database: str | None = None,
+) -> dict[str, Any]:
     """One compensation pass, like ``compensate_outbox``: stale PENDING rows, at most
     ``max_batch`` (OUTBOX_COMPENSATE_MAX_BATCH)."""
-    relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch)
+    relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch, using=database)
     return _drain(relay, "compensate")
 
 
@@ -81,10 +93,11 @@ def purge(
     older_than_days: float | None = None,
     batch_size: int | None = None,
     include_dead: bool | None = None,
+    database: str | None = None,
 ) -> dict[str, Any]:
     """Delete old SENT rows and old inbox rows in batches, like ``purge_outbox`` (same
     settings)."""
-    using = outbox_db()
+    using = outbox_db(database)
     with run_lock("purge", using) as held:
         if not held:
             return _skipped("purge")

@@ -328,7 +328,8 @@ def test_email_options_are_validated():
         EmailChannel(recipients=["not-an-address"])
 
 
-@pytest.mark.django_db  # `check` runs the model checks, which ask SQLite about JSON support
+# `check` runs the model checks, which ask every database (SQLite, MariaDB) about JSON support
+@pytest.mark.django_db(databases="__all__")
 def test_system_check_reports_bad_channel_options():
     alerts = [
         {"BACKEND": "django_outbox.alerts.LoggingChannel"},

@@ -136,6 +136,8 @@ def test_a_lock_goes_with_its_connection(db_vendor):
         assert held is True
 
 
+# The Django fixup runs the system checks, which ask every database about JSON support.
+@pytest.mark.django_db(databases="__all__")
 def test_beat_schedule_matches_the_article():
     from celery.schedules import crontab
 

@@ -40,6 +40,8 @@ def exported_names() -> set[str]:
 
 
 def value(name: str, **labels: str) -> float:
+    """A sample of the default registry; ``database`` defaults to the outbox's alias."""
+    labels.setdefault("database", "default")
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
@@ -73,8 +75,9 @@ def test_gauges_follow_the_table_between_scrapes():
 def test_unreadable_database_reports_down_without_failing_the_scrape():
     registry = CollectorRegistry()
     registry.register(metrics.OutboxCollector(using="no-such-database"))
-    assert registry.get_sample_value("django_outbox_database_up") == 0
-    assert registry.get_sample_value("django_outbox_pending_events") is None
+    down = {"database": "no-such-database"}
+    assert registry.get_sample_value("django_outbox_database_up", down) == 0
+    assert registry.get_sample_value("django_outbox_pending_events", down) is None
 
 
 @pytest.mark.django_db(transaction=True)
@@ -104,26 +107,31 @@ def test_relay_counters_increase_by_what_the_relay_did():
 @pytest.mark.once
 def test_counter_helpers():
     before = value("django_outbox_publish_failures_total", reason="nacked", job="t")
-    metrics.failed("nacked", 2, "t")
-    metrics.failed("nacked", 0, "t")
+    metrics.failed("nacked", 2, "t", "default")
+    metrics.failed("nacked", 0, "t", "default")
     assert value("django_outbox_publish_failures_total", reason="nacked", job="t") - before == 2
     before = value("django_outbox_events_dead_total", job="t")
-    metrics.dead(1, "t")
+    metrics.dead(1, "t", "default")
     assert value("django_outbox_events_dead_total", job="t") - before == 1
+    # another database's relay counts under its own label
+    metrics.dead(1, "t", "other")
+    assert value("django_outbox_events_dead_total", job="t") - before == 1
+    assert value("django_outbox_events_dead_total", job="t", database="other") >= 1
 
 
 @pytest.mark.django_db
 def test_web_metrics_view_serves_the_database_gauges():
     make_events({}, {}, {"status": Status.DEAD})
     body = Client().get("/metrics").content.decode()
-    assert re.search(r"^django_outbox_pending_events 2\.0$", body, re.M), body[-2000:]
-    assert re.search(r"^django_outbox_dead_events 1\.0$", body, re.M)
+    pending = r'^django_outbox_pending_events\{database="default"\} 2\.0$'
+    assert re.search(pending, body, re.M), body[-2000:]
+    assert re.search(r'^django_outbox_dead_events\{database="default"\} 1\.0$', body, re.M)
     assert "django_outbox_oldest_pending_age_seconds" in body
 
 
 @pytest.mark.django_db(transaction=True)
 def test_metrics_server_on_its_own_port():
-    metrics.published(["SERVED"], "publish")
+    metrics.published(["SERVED"], "publish", "default")
     make_events({}, {"status": Status.DEAD})
     server = metrics.start_metrics_server(0, addr="127.0.0.1")
     try:
@@ -132,11 +140,15 @@ def test_metrics_server_on_its_own_port():
     finally:
         server.shutdown()
         server.server_close()
-    assert 'django_outbox_events_published_total{event_type="SERVED",job="publish"}' in body
+    served = (
+        'django_outbox_events_published_total{database="default",event_type="SERVED",job="publish"}'
+    )
+    assert served in body
     # the scrape ran in the server's own thread, on its own database connection
-    assert re.search(r"^django_outbox_pending_events 1\.0$", body, re.M), body[-2000:]
-    assert re.search(r"^django_outbox_dead_events 1\.0$", body, re.M)
-    assert "django_outbox_database_up 1.0" in body
+    pending = r'^django_outbox_pending_events\{database="default"\} 1\.0$'
+    assert re.search(pending, body, re.M), body[-2000:]
+    assert re.search(r'^django_outbox_dead_events\{database="default"\} 1\.0$', body, re.M)
+    assert 'django_outbox_database_up{database="default"} 1.0' in body
 
 
 def test_register_collector_is_idempotent():

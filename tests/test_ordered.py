@@ -257,9 +257,13 @@ def test_outbox_stats_without_ordered_mode_has_no_blocked_line(blocked_aggregate
 def test_metric_counts_blocked_aggregates(blocked_aggregate, settings):
     from prometheus_client import REGISTRY
 
-    assert REGISTRY.get_sample_value("django_outbox_blocked_aggregates") == 1
+    assert (
+        REGISTRY.get_sample_value("django_outbox_blocked_aggregates", {"database": "default"}) == 1
+    )
     settings.OUTBOX_ORDERED_DEAD_HEAD = "skip"
-    assert REGISTRY.get_sample_value("django_outbox_blocked_aggregates") == 0
+    assert (
+        REGISTRY.get_sample_value("django_outbox_blocked_aggregates", {"database": "default"}) == 0
+    )
 
 
 def test_dashboard_and_banner_show_blocked_aggregates(blocked_aggregate, client, django_user_model):

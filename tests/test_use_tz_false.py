@@ -104,10 +104,16 @@ def test_gauges_read_the_database(naive):
     make_events({"age": 300}, {"status": Status.DEAD})
     registry = CollectorRegistry()
     registry.register(metrics.OutboxCollector())
-    assert registry.get_sample_value("django_outbox_database_up") == 1
-    assert registry.get_sample_value("django_outbox_pending_events") == 1
-    assert registry.get_sample_value("django_outbox_dead_events") == 1
-    assert 300 <= registry.get_sample_value("django_outbox_oldest_pending_age_seconds") < 360
+    assert registry.get_sample_value("django_outbox_database_up", {"database": "default"}) == 1
+    assert registry.get_sample_value("django_outbox_pending_events", {"database": "default"}) == 1
+    assert registry.get_sample_value("django_outbox_dead_events", {"database": "default"}) == 1
+    assert (
+        300
+        <= registry.get_sample_value(
+            "django_outbox_oldest_pending_age_seconds", {"database": "default"}
+        )
+        < 360
+    )
 
 
 def test_admin_changelist_and_dashboard(naive, settings):

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import quote
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils.connection import ConnectionDoesNotExist
 
@@ -53,17 +53,37 @@ def unreachable(command: str, using: str, exc: BaseException) -> CommandError:
     )
 
 
-def require_database(command: str, using: str) -> None:
-    """Connect to ``using`` now: exit 2 with one line if it cannot be reached.
+def unknown_alias(command: str, using: str) -> CommandError:
+    known = ", ".join(repr(alias) for alias in connections.settings)
+    return CommandError(
+        f"{command}: there is no database {using!r} in DATABASES; pass --database with one "
+        f"of {known}.",
+        returncode=2,
+    )
 
-    An alias that is not in DATABASES is left to the command, which says so in its terms.
-    """
+
+def require_database(command: str, using: str) -> None:
+    """Connect to ``using`` now: exit 2 with one line if it cannot be reached, or if it
+    is not an alias of DATABASES (a typo in ``--database`` or in a router)."""
     if using not in connections.settings:
-        return
+        raise unknown_alias(command, using)
     try:
         connections[using].ensure_connection()
     except CONNECTION_ERRORS as exc:
         raise unreachable(command, using, exc) from exc
+
+
+def require_outbox_table(command: str, using: str) -> None:
+    """Exit 2 in one line when ``using`` has no outbox table: a relay there would fail
+    every pass, and a database added for the outbox is easily left unmigrated."""
+    from ..stats import holds_outbox_table
+
+    if not holds_outbox_table(using):
+        raise CommandError(
+            f"{command}: the database {describe(using)} has no outbox table; run "
+            f"`manage.py migrate django_outbox --database {using}`.",
+            returncode=2,
+        )
 
 
 class DatabaseCommand(BaseCommand):
@@ -73,6 +93,19 @@ class DatabaseCommand(BaseCommand):
     end in a driver traceback and exit 1. A database down at start is most often a wrong
     DATABASE_URL; the long-running commands ride out a later outage with backoff instead.
     """
+
+    #: Whether the run needs the outbox table on its databases (consume_outbox does not).
+    needs_outbox_table = True
+
+    def add_database_argument(self, parser: CommandParser) -> None:
+        """``--database ALIAS``: the outbox this run works on, for a project whose outbox
+        lives in several databases (one process per alias; docs/operations.md)."""
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="Alias of the database whose outbox to work on (default: the database "
+            "router's choice for the outbox, usually 'default').",
+        )
 
     def databases_needed(self, options: dict[str, Any]) -> list[str]:
         """The aliases this run will use; the outbox's (``--database`` if given)."""
@@ -85,6 +118,8 @@ class DatabaseCommand(BaseCommand):
     def execute(self, *args: Any, **options: Any) -> str | None:
         for using in self.databases_needed(options):
             require_database(self.command_name, using)
+            if self.needs_outbox_table:
+                require_outbox_table(self.command_name, using)
         return super().execute(*args, **options)  # type: ignore[no-any-return]
 
     def check(self, *args: Any, **kwargs: Any) -> None:

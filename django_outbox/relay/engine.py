@@ -115,9 +115,11 @@ class Relay:
         stale_after: float | None = None,
         max_batch: int | None = None,
         backend: BaseBackend | None = None,
+        using: str | None = None,
     ) -> Relay:
         """The relay of one compensation pass (compensate_outbox, the Celery task): stale
-        PENDING rows only, at most ``max_batch`` a pass, the compensation retry policy."""
+        PENDING rows only of database ``using`` (default :func:`outbox_db`), at most
+        ``max_batch`` a pass, the compensation retry policy."""
         stale_after = stale_after or outbox_settings.COMPENSATE_STALE_AFTER
         max_batch = max_batch or outbox_settings.COMPENSATE_MAX_BATCH
         return cls(
@@ -126,6 +128,7 @@ class Relay:
             policy=FixedRetryPolicy.compensation(),
             source=stale_source(stale_after),
             job="compensate",
+            using=using,
             pass_limit=max_batch,
         )
 
@@ -168,7 +171,7 @@ class Relay:
         result = self._record(batch.token, batch.rows, batch.results)
         batch.stage = Stage.SETTLED
         result.batches = 1
-        metrics.batch_duration(time.monotonic() - batch.claimed_at, self.job)
+        metrics.batch_duration(time.monotonic() - batch.claimed_at, self.job, self.using)
         if result.released:
             raise BrokerOutage(f"connection lost with {result.released} events unconfirmed", result)
         return result
@@ -199,7 +202,7 @@ class Relay:
             )
             return 0
         if error is not None:
-            metrics.failed(Reason.CONNECTION_LOST.value, len(batch.rows), self.job)
+            metrics.failed(Reason.CONNECTION_LOST.value, len(batch.rows), self.job, self.using)
         if given < len(batch.rows):
             logger.warning(
                 "[%s] %d of %d events being released had been taken over by another relay "
@@ -386,13 +389,14 @@ class Relay:
                     taken,
                     len(failed) + len(lost),
                 )
-        metrics.published((r.event_type for r in sent), self.job)
-        metrics.confirm_latencies(confirmed_at - r.due_since.timestamp() for r in sent)
+        metrics.published((r.event_type for r in sent), self.job, self.using)
+        metrics.confirm_latencies(
+            (confirmed_at - r.due_since.timestamp() for r in sent), self.using
+        )
         for reason in Reason:
-            metrics.failed(
-                reason.value, sum(1 for _, res in failed + lost if res.reason is reason), self.job
-            )
-        metrics.dead(result.dead, self.job)
+            n = sum(1 for _, res in failed + lost if res.reason is reason)
+            metrics.failed(reason.value, n, self.job, self.using)
+        metrics.dead(result.dead, self.job, self.using)
         if failed:
             logger.warning(
                 "[%s] %d events failed: %s",

@@ -25,15 +25,19 @@ from django_outbox.stats import db_now
 OCCURRED = datetime(2026, 5, 17, 8, 30, 15, 123456, tzinfo=timezone.utc)
 
 
-def make_events(*specs: dict[str, Any] | tuple[str, str], **common: Any) -> list[OutboxEvent]:
+def make_events(
+    *specs: dict[str, Any] | tuple[str, str], using: str | None = None, **common: Any
+) -> list[OutboxEvent]:
     """Insert one row per spec, in order (ids ascending), and return them with their ids.
 
     A spec is a dict of fields plus ``age`` (seconds since created_at, default 0),
     ``sent_age`` (since sent_at, for SENT rows; default ``age``) and ``due_age`` (since
     next_retry_time; default ``age``); or an ``(aggregate_type, aggregate_id)`` pair.
-    ``common`` applies to every row, under each spec.
+    ``common`` applies to every row, under each spec. ``using``: the database (default the
+    outbox's).
     """
-    now = db_now()
+    using = outbox_db(using)
+    now = db_now(using)
     rows = []
     for spec in specs:
         if isinstance(spec, tuple):
@@ -61,7 +65,6 @@ def make_events(*specs: dict[str, Any] | tuple[str, str], **common: Any) -> list
                 }
             )
         )
-    using = outbox_db()
     if connections[using].features.can_return_rows_from_bulk_insert:
         return OutboxEvent.objects.using(using).bulk_create(rows, batch_size=2000)
     for row in rows:  # MySQL returns no ids from a bulk insert

@@ -48,6 +48,20 @@ def database_url(alias: str = "default") -> str:
     return f"{scheme}://{auth + '@' if auth else ''}{host}{port}/{quote(name, safe='')}"
 
 
+def other_database_url() -> str:
+    """The URL of the test's ``other`` database (tests/settings.py), or ``none`` when this
+    test did not create it: the child then has no such alias."""
+    from django.db import connections
+
+    if "other" not in connections.settings:
+        return "none"
+    conf = connections["other"].settings_dict
+    test_name = (conf.get("TEST") or {}).get("NAME")
+    if not test_name or conf["NAME"] != test_name:
+        return "none"
+    return database_url("other")
+
+
 def django_env(**extra: str) -> dict[str, str]:
     """Environment for ``python testproject/manage.py ...`` using this test's database
     (or the DATABASE_URL given in ``extra``)."""
@@ -62,6 +76,7 @@ def django_env(**extra: str) -> dict[str, str]:
         DATABASE_URL=extra.get("DATABASE_URL") or database_url(),
         PYTHONUNBUFFERED="1",
     )
+    env["OTHER_DATABASE_URL"] = other_database_url()
     env.update(extra)
     return env
 

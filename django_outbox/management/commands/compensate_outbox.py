@@ -12,7 +12,6 @@ from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
 from ...exceptions import OutboxError
-from ...models import outbox_db
 from ...relay import BrokerOutage, Relay, stale_source
 from ...worker import configure_logging
 from ..errors import DatabaseCommand, database_errors
@@ -41,22 +40,24 @@ class Command(DatabaseCommand):
             default=None,
             help="At most this many rows per run (default OUTBOX_COMPENSATE_MAX_BATCH, 500).",
         )
+        self.add_database_argument(parser)
 
     def handle(
         self,
         *,
         stale_after: float | None,
         max_batch: int | None,
+        database: str | None,
         verbosity: int,
         **options: Any,
     ) -> None:
         configure_logging(verbosity)
         try:
-            relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch)
+            relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch, using=database)
         except (OutboxError, TypeError) as exc:
             raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         try:
-            with database_errors("compensate_outbox", outbox_db()):
+            with database_errors("compensate_outbox", relay.using):
                 result = relay.run_once()
         except BrokerOutage as exc:
             raise CommandError(

@@ -89,6 +89,8 @@ class Command(DatabaseCommand):
             help="At the end, print the totals as one JSON object instead of the summary line.",
         )
 
+    needs_outbox_table = False  # the handlers write inbox or business rows
+
     def databases_needed(self, options: dict[str, Any]) -> list[str]:
         """Where the handlers write (their de-duplication model's database); none for
         --list. Once running, the consumer holds the message in hand through an outage."""

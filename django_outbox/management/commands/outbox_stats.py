@@ -58,12 +58,7 @@ class Command(DatabaseCommand):
             help="Ordered mode: exit 1 if more than this many aggregates are blocked by a "
             "DEAD head.",
         )
-        parser.add_argument(
-            "--database",
-            default=None,
-            help="Database alias to read the outbox from (default: the one the relay writes "
-            "to, the database router's choice).",
-        )
+        self.add_database_argument(parser)
 
     def handle(
         self,

@@ -17,7 +17,6 @@ from django.core.management.base import CommandError, CommandParser
 from ...backends import get_backend
 from ...conf import outbox_settings
 from ...exceptions import OutboxError
-from ...models import outbox_db
 from ...relay import BrokerOutage, Relay
 from ...worker import configure_logging, stop_on_signals
 from ..errors import DatabaseCommand, database_errors
@@ -63,6 +62,7 @@ class Command(DatabaseCommand):
             default=None,
             help="Serve Prometheus metrics on this port (0 or unset: do not serve).",
         )
+        self.add_database_argument(parser)
 
     def handle(
         self,
@@ -73,6 +73,7 @@ class Command(DatabaseCommand):
         max_events: int | None,
         heartbeat_file: str | None,
         metrics_port: int | None,
+        database: str | None,
         verbosity: int,
         **options: Any,
     ) -> None:
@@ -85,18 +86,21 @@ class Command(DatabaseCommand):
             )
         try:
             relay = Relay(
-                backend=get_backend(), batch_size=batch_size, heartbeat_file=heartbeat_file
+                backend=get_backend(),
+                batch_size=batch_size,
+                heartbeat_file=heartbeat_file,
+                using=database,
             )
         except (OutboxError, TypeError) as exc:
             raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         if metrics_port:
             from ...metrics import start_metrics_server
 
-            start_metrics_server(metrics_port)
+            start_metrics_server(metrics_port, using=relay.using)
 
         if once:
             try:
-                with database_errors("publish_outbox", outbox_db()):
+                with database_errors("publish_outbox", relay.using):
                     result = relay.run_once(max_events=max_events)
             except BrokerOutage as exc:
                 raise CommandError(f"The broker is unreachable: {exc}", returncode=2) from exc

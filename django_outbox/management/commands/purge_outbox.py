@@ -51,9 +51,7 @@ class Command(DatabaseCommand):
             "--dry-run", action="store_true", help="Count what would go; delete nothing."
         )
         parser.add_argument("--force", action="store_true", help="Allow a retention below 3 days.")
-        parser.add_argument(
-            "--database", default=None, help="Database alias (default: the router's choice)."
-        )
+        self.add_database_argument(parser)
 
     def handle(
         self,

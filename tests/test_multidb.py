@@ -1,0 +1,386 @@
+"""An outbox in several databases: one relay per alias, each publishing only its own events.
+
+tests/settings.py adds the alias ``other`` (same server as ``default`` with ``_other`` in the
+database's names, or ``OTHER_DATABASE_URL``): PostgreSQL + PostgreSQL, MariaDB + MariaDB,
+PostgreSQL + MariaDB, or two SQLite files. Only the tests marked with ``BOTH`` touch it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.checks import Warning as CheckWarning
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connections
+from django.test import Client, override_settings
+from django.urls import reverse
+from prometheus_client import CollectorRegistry
+
+from django_outbox import metrics, outbox, stats
+from django_outbox.backends.locmem import LocmemBackend
+from django_outbox.celery import beat_schedule
+from django_outbox.checks import Codes, check_outbox_aliases
+from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay import Relay
+from django_outbox.relay.wake import PostgresNotifyWaker, make_waker
+from tests.faults.harness import Processes
+from tests.utils.amqp import Broker
+from tests.utils.rows import make_events
+from tests.utils.waiting import wait_for
+
+BOTH = ["default", "other"]
+COMMANDS = ["publish_outbox", "compensate_outbox", "purge_outbox", "outbox_stats"]
+
+
+class OtherRouter:
+    """Routes the outbox to ``other``; ``migrate_there`` says whether migrate may create it."""
+
+    migrate_there = True
+
+    def db_for_write(self, model, **hints):
+        return "other" if model._meta.app_label == "django_outbox" else None
+
+    db_for_read = db_for_write
+
+    def allow_migrate(self, db, app_label, **hints):
+        if app_label == "django_outbox":
+            return db == "other" and self.migrate_there
+        return None
+
+
+class UnmigratedRouter(OtherRouter):
+    migrate_there = False
+
+
+class TypoRouter(OtherRouter):
+    def db_for_write(self, model, **hints):
+        return "otehr" if model._meta.app_label == "django_outbox" else None
+
+
+def emit_in(using: str, n: int, event_type: str = "MULTI") -> set[str]:
+    """``n`` events committed in database ``using``; their event ids."""
+    ids = set()
+    with outbox.atomic(using=using) as box:
+        for i in range(n):
+            ids.add(box.emit(event_type, payload={"i": i, "db": using}).event_id)
+    return ids
+
+
+def emit_in_a_thread(using: str) -> None:
+    try:
+        emit_in(using, 1)
+    finally:
+        connections.close_all()  # this thread's: the test database is dropped at the end
+
+
+def statuses(using: str) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for status in OutboxEvent.objects.using(using).values_list("status", flat=True):
+        counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+# -- the relays ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def procs(tmp_path: Path, broker: Broker) -> Iterator[Processes]:
+    p = Processes(tmp_path, broker)
+    yield p
+    p.cleanup()
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_each_relay_publishes_only_its_own_database_exactly_once(procs, broker):
+    """Two publish_outbox processes, --database other and --database default, on the real
+    RabbitMQ: each takes only its database's rows, and every event arrives once."""
+    broker.bind_all()
+    mine = {"default": emit_in("default", 40), "other": emit_in("other", 25)}
+
+    other = procs.relay("--database", "other", name="relay-other")
+    assert wait_for(lambda: statuses("other") == {Status.SENT: 25}, timeout=60), procs.tails()
+    # The relay of "other" left the default database alone.
+    assert statuses("default") == {Status.PENDING: 40}
+
+    default = procs.relay("--database", "default", name="relay-default")
+    more = emit_in("other", 5, "MULTI_LATE")  # while both run
+    assert wait_for(lambda: statuses("default") == {Status.SENT: 40}, timeout=60), procs.tails()
+    assert wait_for(lambda: statuses("other") == {Status.SENT: 30}, timeout=60), procs.tails()
+    assert other.stop() == 0, other.tail()
+    assert default.stop() == 0, default.tail()
+
+    received = broker.collect()
+    expected = mine["default"] | mine["other"] | more
+    assert set(received) == expected
+    assert [n for n in received.values() if n != 1] == []
+    assert other.summary()["sent"] == 30
+    assert default.summary()["sent"] == 40
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_compensate_and_purge_work_on_the_alias_given(procs, broker):
+    broker.bind_all()
+    stale = make_events({"age": 900}, {"age": 900}, using="other")
+    make_events({"age": 900}, using="default")
+    run = procs.run("compensate_outbox", "--database", "other")
+    assert run.popen.returncode == 0, run.tail()
+    assert statuses("other") == {Status.SENT: 2}
+    assert statuses("default") == {Status.PENDING: 1}
+    assert set(broker.collect()) == {row.event_id for row in stale}
+
+    make_events({"status": Status.SENT, "age": 30 * 86400}, using="other")
+    make_events({"status": Status.SENT, "age": 30 * 86400}, using="default")
+    run = procs.run("purge_outbox", "--database", "other")
+    assert run.popen.returncode == 0, run.tail()
+    assert OutboxEvent.objects.using("other").count() == 2  # the two compensated, recent
+    assert OutboxEvent.objects.using("default").count() == 2
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_relay_counters_carry_the_database_label():
+    emit_in("other", 3, "LABELLED")
+    emit_in("default", 1, "LABELLED")
+
+    def published(database: str) -> float:
+        from prometheus_client import REGISTRY
+
+        labels = {"event_type": "LABELLED", "job": "publish", "database": database}
+        return REGISTRY.get_sample_value("django_outbox_events_published_total", labels) or 0
+
+    before = {alias: published(alias) for alias in BOTH}
+    result = Relay(backend=LocmemBackend(), using="other", db_thread=False).run_once()
+    assert result.sent == 3
+    assert published("other") - before["other"] == 3
+    assert published("default") == before["default"]
+    assert statuses("default") == {Status.PENDING: 1}
+
+
+@pytest.mark.django_db(databases=BOTH)
+def test_gauges_are_labelled_per_database():
+    make_events({}, {}, {"status": Status.DEAD}, using="other")
+    make_events({}, using="default")
+    assert stats.outbox_databases() == BOTH
+    registry = CollectorRegistry()
+    registry.register(metrics.OutboxCollector())
+
+    def sample(name: str, database: str) -> float | None:
+        return registry.get_sample_value(name, {"database": database})
+
+    assert sample("django_outbox_pending_events", "other") == 2
+    assert sample("django_outbox_dead_events", "other") == 1
+    assert sample("django_outbox_pending_events", "default") == 1
+    assert sample("django_outbox_database_up", "other") == 1
+    # a relay's --metrics-port reports its own database only
+    only = CollectorRegistry()
+    only.register(metrics.OutboxCollector(using="other"))
+    assert only.get_sample_value("django_outbox_pending_events", {"database": "default"}) is None
+    assert only.get_sample_value("django_outbox_pending_events", {"database": "other"}) == 2
+
+
+@pytest.mark.django_db(databases=BOTH)
+def test_outbox_databases_setting_pins_the_list(settings):
+    settings.OUTBOX_DATABASES = ["other"]
+    assert stats.outbox_databases() == ["other"]
+    settings.OUTBOX_DATABASES = ["other", "default"]
+    registry = CollectorRegistry()
+    registry.register(metrics.OutboxCollector())
+    assert registry.get_sample_value("django_outbox_database_up", {"database": "default"}) == 1
+
+
+@pytest.mark.django_db(databases=BOTH)
+def test_outbox_stats_reads_the_alias_given(capsys):
+    make_events({}, {}, {}, using="other")
+    call_command("outbox_stats", "--json", "--database", "other")
+    assert '"pending": 3' in capsys.readouterr().out
+    call_command("outbox_stats", "--json", "--database", "default")
+    assert '"pending": 0' in capsys.readouterr().out
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_celery_tasks_and_beat_take_the_alias(settings):
+    from django_outbox import tasks
+
+    settings.OUTBOX_BACKEND = "django_outbox.backends.locmem.LocmemBackend"
+    emit_in("other", 2)
+    emit_in("default", 1)
+    assert tasks.publish.apply(kwargs={"database": "other"}).get()["sent"] == 2
+    assert statuses("default") == {Status.PENDING: 1}
+    make_events({"status": Status.SENT, "age": 30 * 86400}, using="other")
+    assert tasks.purge.apply(kwargs={"database": "other"}).get()["sent"] == 1
+
+    schedule = beat_schedule(databases=BOTH)
+    assert sorted(schedule) == [
+        "outbox-compensate@default",
+        "outbox-compensate@other",
+        "outbox-purge@default",
+        "outbox-purge@other",
+    ]
+    assert schedule["outbox-purge@other"]["kwargs"] == {"database": "other"}
+    assert schedule["outbox-purge@other"]["task"] == "django_outbox.purge"
+    with pytest.raises(ValueError, match="at least one alias"):
+        beat_schedule(databases=[])
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_notify_wakes_only_the_relay_of_that_database():
+    if connections["other"].vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    stop = threading.Event()
+    waker = make_waker("other", stop)
+    assert isinstance(waker, PostgresNotifyWaker)
+    try:
+        waker.wait(0.01)  # LISTEN on "other"
+        started = time.monotonic()
+        timer = threading.Timer(0.3, emit_in_a_thread, args=("default",))
+        timer.start()
+        waker.wait(1.5)
+        timer.join()
+        assert time.monotonic() - started >= 1.4  # a commit in "default" is not ours
+        started = time.monotonic()
+        timer = threading.Timer(0.3, emit_in_a_thread, args=("other",))
+        timer.start()
+        waker.wait(10)
+        timer.join()
+        assert time.monotonic() - started < 5
+    finally:
+        waker.close()
+        connections.close_all()
+
+
+# -- bad aliases: one line, exit 2; the system checks ---------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.django_db
+def test_an_unknown_alias_exits_2_in_one_line(command):
+    args = ["--once"] if command == "publish_outbox" else []
+    with pytest.raises(CommandError) as caught:
+        call_command(command, *args, "--database", "nope")
+    assert caught.value.returncode == 2
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{command}: there is no database 'nope' in DATABASES")
+    assert "'default'" in message and "'other'" in message
+
+
+@pytest.fixture(scope="module")
+def bare_alias() -> Iterator[str]:
+    """A third alias: an empty in-memory SQLite database, never migrated. Module-scoped, so
+    it exists before a test's database access rules are set (they allow "__all__")."""
+    connections.settings["bare"] = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
+    connections.configure_settings(connections.settings)
+    try:
+        yield "bare"
+    finally:
+        if hasattr(connections._connections, "bare"):
+            connections["bare"].close()
+            del connections["bare"]
+        del connections.settings["bare"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.django_db(databases="__all__")  # "bare" too, whenever it was added
+def test_an_unmigrated_alias_exits_2_in_one_line(command, bare_alias):
+    args = ["--once"] if command == "publish_outbox" else []
+    with pytest.raises(CommandError) as caught:
+        call_command(command, *args, "--database", bare_alias)
+    assert caught.value.returncode == 2
+    assert "\n" not in str(caught.value)
+    assert "has no outbox table" in str(caught.value)
+    assert "migrate django_outbox --database bare" in str(caught.value)
+
+
+@pytest.mark.django_db(databases="__all__")
+def test_unmigrated_alias_is_not_shown(bare_alias):
+    assert "bare" not in stats.outbox_databases()
+
+
+def ids(messages: list[CheckWarning]) -> list[str]:
+    return [m.id for m in messages]
+
+
+@pytest.mark.once
+def test_checks_w001_w002():
+    assert check_outbox_aliases() == []
+    with override_settings(DATABASE_ROUTERS=[OtherRouter()]):
+        assert check_outbox_aliases() == []
+    with override_settings(DATABASE_ROUTERS=[UnmigratedRouter()]):
+        (warning,) = check_outbox_aliases()
+        assert warning.id == Codes.ROUTED_UNMIGRATED
+        assert "'other'" in warning.msg and "migrate django_outbox --database other" in warning.hint
+    with override_settings(DATABASE_ROUTERS=[TypoRouter()]):
+        (warning,) = check_outbox_aliases()
+        assert warning.id == Codes.UNKNOWN_ALIAS
+        assert "'otehr'" in warning.msg and "'default'" in warning.hint
+    with override_settings(OUTBOX_DATABASES=["default", "nope"]):
+        assert ids(check_outbox_aliases()) == [Codes.UNKNOWN_ALIAS]
+    with override_settings(OUTBOX_DATABASES=["other"], DATABASE_ROUTERS=[UnmigratedRouter()]):
+        # "other" is named twice (router, setting): one warning
+        assert ids(check_outbox_aliases()) == [Codes.ROUTED_UNMIGRATED]
+
+
+# -- the admin dashboard ---------------------------------------------------------------------
+
+DASHBOARD = "admin:django_outbox_outboxevent_dashboard"
+
+
+@pytest.fixture
+def superuser_client() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    return client
+
+
+@pytest.mark.django_db(databases=BOTH)
+def test_dashboard_shows_every_outbox_database(superuser_client):
+    make_events({}, {}, {"status": Status.DEAD}, using="other")
+    make_events({}, using="default")
+    body = superuser_client.get(reverse(DASHBOARD)).content.decode()
+    assert 'id="database-default"' in body and 'id="database-other"' in body
+    assert "showing default" in body
+    assert f'href="{reverse(DASHBOARD)}?database=other"' in body
+
+    response = superuser_client.get(reverse(DASHBOARD), {"database": "other"})
+    body = response.content.decode()
+    assert "showing other" in body
+    figure = body.split('id="figure-pending"')[1].split("</li>")[0]
+    assert '<span class="value">2</span>' in figure
+    # the event list shows the router's database: no link from another one's figures
+    assert "<a href" not in figure
+    assert superuser_client.get(reverse(DASHBOARD), {"database": "nope"}).status_code == 404
+
+
+@pytest.mark.django_db
+def test_dashboard_with_one_database_has_no_database_table(superuser_client, settings):
+    settings.OUTBOX_DATABASES = ["default"]
+    body = superuser_client.get(reverse(DASHBOARD)).content.decode()
+    assert 'id="databases"' not in body
+
+
+@pytest.mark.once
+def test_shipped_rules_and_dashboard_keep_the_database_label():
+    import json
+    import re
+
+    import yaml
+
+    deploy = Path(__file__).resolve().parent.parent / "docs" / "deploy"
+    rules = yaml.safe_load((deploy / "prometheus-rules.yaml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            # max without (...) keeps every label it does not name; by (...) drops the rest
+            assert " by (" not in rule["expr"] or "database" in rule["expr"], rule["alert"]
+            assert not re.search(r"without \([^)]*database", rule["expr"]), rule["alert"]
+            assert "{{ $labels.database }}" in rule["annotations"]["summary"], rule["alert"]
+    dashboard = json.loads((deploy / "grafana-dashboard.json").read_text())
+    assert "database" in [v["name"] for v in dashboard["templating"]["list"]]
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            assert 'database=~"$database"' in target["expr"]
+            assert "{{database}}" in target["legendFormat"]
