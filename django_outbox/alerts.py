@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from django.core.exceptions import ImproperlyConfigured
+from django.db import DEFAULT_DB_ALIAS
 from django.utils.module_loading import import_string
 
 from .conf import outbox_settings
@@ -56,11 +57,14 @@ class DeadLetter:
     last_error: str
     #: Ordered mode: what the dead row means for its aggregate's later events ('' if none).
     ordering: str = ""
+    #: The alias of the outbox the row died in, when it is not 'default' (several databases).
+    database: str = ""
 
     @classmethod
     def from_event(cls, event: Any) -> DeadLetter:
         from . import ordering
 
+        alias = getattr(getattr(event, "_state", None), "db", None) or DEFAULT_DB_ALIAS
         return cls(
             event_id=str(event.event_id),
             event_type=event.event_type,
@@ -69,6 +73,7 @@ class DeadLetter:
             retry_count=event.retry_count,
             last_error=event.last_error,
             ordering=ordering.dead_head_note(event),
+            database="" if alias == DEFAULT_DB_ALIAS else alias,
         )
 
     @property
@@ -82,12 +87,14 @@ class DeadLetter:
             f"aggregate={self.aggregate_type}:{self.aggregate_id} "
             f"retry_count={self.retry_count} last_error={self.short_error}"
             + (f" ordering={self.ordering}" if self.ordering else "")
+            + (f" database={self.database}" if self.database else "")
         )
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        if not self.ordering:
-            del data["ordering"]
+        for optional in ("ordering", "database"):
+            if not data[optional]:
+                del data[optional]
         return data
 
 
@@ -306,6 +313,7 @@ class WebhookChannel(BaseChannel):
                 f"- `{d.event_id}` {d.event_type} {d.aggregate_type}:{d.aggregate_id} "
                 f"retries={d.retry_count}: {d.short_error}"
                 + (f" ({d.ordering})" if d.ordering else "")
+                + (f" [database {d.database}]" if d.database else "")
             )
         if more:
             lines.append(f"- ... and {more} more")

@@ -7,6 +7,7 @@ PostgreSQL + MariaDB, or two SQLite files. Only the tests marked with ``BOTH`` t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -384,3 +385,25 @@ def test_shipped_rules_and_dashboard_keep_the_database_label():
         for target in panel["targets"]:
             assert 'database=~"$database"' in target["expr"]
             assert "{{database}}" in target["legendFormat"]
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_a_dead_letter_alert_names_its_database(caplog):
+    from django_outbox.alerts import DeadLetter, WebhookChannel
+    from django_outbox.backends import locmem
+    from django_outbox.backends.base import Reason
+
+    make_events({"retry_count": 99}, using="other")
+    locmem.fail_next.append(Reason.NACKED)
+    result = Relay(backend=LocmemBackend(), using="other", db_thread=False).run_once()
+    locmem.reset()
+    assert result.dead == 1
+    assert "database=other" in caplog.text  # the default LoggingChannel
+    (row,) = OutboxEvent.objects.using("other").dead()
+    letter = DeadLetter.from_event(row)
+    assert letter.as_dict()["database"] == "other"
+    slack = WebhookChannel(url="https://hooks.slack.com/x", shape="slack")
+    assert "[database other]" in json.dumps(slack.payload([letter]))
+    # the default database's rows say nothing about it, as with a single database
+    (default_row,) = make_events({"status": Status.DEAD})
+    assert "database" not in DeadLetter.from_event(default_row).as_dict()
