@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
@@ -133,6 +134,52 @@ class ScheduleFilter(admin.SimpleListFilter):
         return queryset
 
 
+# --- several databases: which outbox the event list shows -----------------------------------
+
+#: The query parameter that picks the outbox database (the dashboard, the changelist and a
+#: change page); without it, the router's choice, as with one database.
+DATABASE_PARAM = "database"
+
+
+def requested_database(request: HttpRequest) -> str | None:
+    """The alias asked for by ``?database=``, or carried back from the changelist by a change
+    page's ``_changelist_filters``; 404 when no outbox lives there. Checked once a request."""
+    if hasattr(request, "_outbox_database"):
+        return request._outbox_database  # type: ignore[no-any-return]
+    alias = request.GET.get(DATABASE_PARAM)
+    if alias is None and "_changelist_filters" in request.GET:
+        alias = QueryDict(request.GET["_changelist_filters"]).get(DATABASE_PARAM)
+    if alias and alias not in stats.outbox_databases():
+        raise Http404(f"No outbox database {alias!r}.")
+    request._outbox_database = alias or None  # type: ignore[attr-defined]
+    return request._outbox_database  # type: ignore[attr-defined, no-any-return]
+
+
+class DatabaseFilter(admin.SimpleListFilter):
+    """Which outbox database the list shows, when there are several. The admin's queryset
+    is already on it (``get_queryset``), so the actions work on that database's rows."""
+
+    title = _("database")
+    parameter_name = DATABASE_PARAM
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        aliases = stats.outbox_databases()
+        return [(alias, alias) for alias in aliases] if len(aliases) > 1 else []
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        return queryset
+
+    def choices(self, changelist: Any) -> Iterator[Any]:
+        # No "All": a list shows one database's rows; none asked for is the router's.
+        current = self.value() or outbox_db()
+        for alias, title in self.lookup_choices:
+            yield {
+                "selected": alias == current,
+                "query_string": changelist.get_query_string({self.parameter_name: alias}),
+                "display": title,
+            }
+
+
 @admin.register(OutboxEvent)
 class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     change_list_template = "admin/django_outbox/outboxevent/change_list.html"
@@ -150,7 +197,14 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "short_error",
     )
     list_display_links = ("id", "event_id")
-    list_filter = ("status", ScheduleFilter, "event_type", "aggregate_type", AgeFilter)
+    list_filter = (
+        "status",
+        ScheduleFilter,
+        "event_type",
+        "aggregate_type",
+        AgeFilter,
+        DatabaseFilter,
+    )
     # Exact matches: an incident hands you an id to paste, and equality uses the indexes.
     search_fields = ("=event_id", "=aggregate_id")
     search_help_text = _("Exact event id or aggregate id.")
@@ -182,6 +236,11 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     )
 
     # --- read-only rows ----------------------------------------------------------------
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        queryset = super().get_queryset(request)
+        alias = requested_database(request)  # several databases: ?database=ALIAS
+        return queryset.using(alias) if alias else queryset
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         names = [f.name for f in self.model._meta.fields]
@@ -316,7 +375,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     ) -> HttpResponse:
         extra_context = {
             **(extra_context or {}),
-            "outbox_warnings": health_warnings(stats.gauges()),
+            "outbox_warnings": health_warnings(stats.gauges(requested_database(request))),
             "dashboard_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard"),
         }
         return super().changelist_view(request, extra_context)
@@ -337,7 +396,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def dashboard_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
-        databases = database_figures(request.GET.get("database"))
+        databases = database_figures(request)
         snapshot = stats.collect(using=databases.current)
         retries, table = snapshot.triage_matrix()
         changelist = reverse(f"{self.admin_site.name}:django_outbox_outboxevent_changelist")
@@ -375,11 +434,13 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 )
                 for b in snapshot.blocked
             ],
-            **databases.context(
-                reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard")
-            ),
         }
         context.update(self._requeue_all_context(request, snapshot))
+        context.update(
+            databases.context(
+                reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard"), context
+            )
+        )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.dashboard_template, context)
 
@@ -495,23 +556,31 @@ class DatabaseFigures:
             )
         return rows
 
-    def context(self, dashboard_url: str) -> dict[str, Any]:
+    def context(self, dashboard_url: str, context: dict[str, Any]) -> dict[str, Any]:
+        """The databases table, and the dashboard's links to the event list and to events
+        pointed at the database shown (``?database=``, which the changelist reads)."""
         rows = self.rows() if len(self.aliases) > 1 else []
         for row in rows:
-            row["url"] = f"{dashboard_url}?database={row['alias']}"
-        return {
-            "outbox_database": self.current,
-            "outbox_databases": rows,
-            # The changelist and its actions read the router's alias only.
-            "other_database": self.current != outbox_db(),
-        }
+            row["url"] = f"{dashboard_url}?{DATABASE_PARAM}={row['alias']}"
+        extra: dict[str, Any] = {"outbox_database": self.current, "outbox_databases": rows}
+        if self.current == outbox_db():
+            return extra
+        for key, value in context.items():
+            if key.endswith("_url") and isinstance(value, str):
+                extra[key] = self.link(value)
+        if context.get("blocked"):
+            extra["blocked"] = [(b, self.link(url)) for b, url in context["blocked"]]
+        return extra
+
+    def link(self, url: str) -> str:
+        """``url`` (a changelist or change page) on the database shown."""
+        return f"{url}{'&' if '?' in url else '?'}{DATABASE_PARAM}={self.current}"
 
 
-def database_figures(requested: str | None) -> DatabaseFigures:
+def database_figures(request: HttpRequest) -> DatabaseFigures:
     """The dashboard's databases; an alias that holds no outbox is a 404, not an error page."""
+    requested = requested_database(request)
     aliases = stats.outbox_databases()
-    if requested and requested not in aliases:
-        raise Http404(f"No outbox database {requested!r}.")
     default = outbox_db() if outbox_db() in aliases else aliases[0]
     return DatabaseFigures(requested or default, aliases)
 

@@ -329,6 +329,8 @@ def test_checks_w001_w002():
 # -- the admin dashboard ---------------------------------------------------------------------
 
 DASHBOARD = "admin:django_outbox_outboxevent_dashboard"
+CHANGELIST = "admin:django_outbox_outboxevent_changelist"
+CHANGE = "admin:django_outbox_outboxevent_change"
 
 
 @pytest.fixture
@@ -352,9 +354,36 @@ def test_dashboard_shows_every_outbox_database(superuser_client):
     assert "showing other" in body
     figure = body.split('id="figure-pending"')[1].split("</li>")[0]
     assert '<span class="value">2</span>' in figure
-    # the event list shows the router's database: no link from another one's figures
-    assert "<a href" not in figure
+    # the figures link to the event list of the database shown
+    assert f"{reverse(CHANGELIST)}?status__exact=0&amp;database=other" in figure
     assert superuser_client.get(reverse(DASHBOARD), {"database": "nope"}).status_code == 404
+
+
+@pytest.mark.django_db(databases=BOTH)
+def test_event_list_and_actions_on_another_database(superuser_client):
+    dead = make_events({"status": Status.DEAD}, {"status": Status.DEAD}, using="other")
+    (mine,) = make_events({"status": Status.DEAD}, using="default")
+    changelist = reverse(CHANGELIST)
+
+    body = superuser_client.get(changelist, {"database": "other"}).content.decode()
+    assert all(row.event_id in body for row in dead) and mine.event_id not in body
+    assert 'id="changelist-filter"' in body and "?database=default" in body
+    body = superuser_client.get(changelist).content.decode()
+    assert mine.event_id in body and dead[0].event_id not in body
+
+    # the change page of a row of "other", as the list links it
+    url = reverse(CHANGE, args=[dead[0].pk]) + "?_changelist_filters=database%3Dother"
+    assert dead[0].event_id in superuser_client.get(url).content.decode()
+
+    # the requeue action works on the rows of the database listed
+    response = superuser_client.post(
+        f"{changelist}?database=other",
+        {"action": "requeue", "_selected_action": [row.pk for row in dead]},
+    )
+    assert response.status_code == 302
+    assert statuses("other") == {Status.PENDING: 2}
+    assert statuses("default") == {Status.DEAD: 1}
+    assert superuser_client.get(changelist, {"database": "nope"}).status_code == 404
 
 
 @pytest.mark.django_db
