@@ -489,14 +489,19 @@ def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 # -- several databases -------------------------------------------------------------------------
 
 
-def _outbox_targets() -> list[tuple[str, str]]:
-    """(alias, why) of every database the outbox is sent to by configuration."""
+#: Who names an outbox database: (how W002 names it, how W001 says what goes there).
+_ROUTER = ("The database router", "written to (the router's choice) on")
+_SETTING = ("OUTBOX_DATABASES", "shown (OUTBOX_DATABASES) from")
+
+
+def _outbox_targets() -> list[tuple[str, tuple[str, str]]]:
+    """Every database the configuration sends the outbox to, and who names it."""
     from .models import OutboxEvent
 
-    targets = [(router.db_for_write(OutboxEvent), "written to (the router's choice) on")]
+    targets = [(router.db_for_write(OutboxEvent), _ROUTER)]
     configured = outbox_settings.DATABASES
     if isinstance(configured, (list, tuple)):
-        targets += [(alias, "shown (OUTBOX_DATABASES) from") for alias in configured]
+        targets += [(alias, _SETTING) for alias in configured]
     return targets
 
 
@@ -510,12 +515,11 @@ def check_outbox_aliases(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
     known = list(settings.DATABASES)
     messages: list[CheckMessage] = []
     seen: set[str] = set()
-    for alias, why in _outbox_targets():
+    for alias, (where, why) in _outbox_targets():
         if alias in seen:
             continue
         seen.add(alias)
         if alias not in known:
-            where = "OUTBOX_DATABASES" if "OUTBOX_DATABASES" in why else "The database router"
             messages.append(
                 Warning(
                     Messages.UNKNOWN_ALIAS.format(where=where, alias=alias),
