@@ -13,6 +13,9 @@ Two kinds of metric live here:
   :mod:`django_outbox.stats`. Every process that exposes them reports the *same* table,
   so aggregate them with ``max()``, never ``sum()`` (docs/monitoring.md has the PromQL).
 
+Every metric carries ``database``, the alias of the outbox it describes: a project whose
+outbox lives in several databases runs a relay per alias and reads one gauge sample each.
+
 The collector is registered on prometheus_client's default registry when the app is ready,
 so django-prometheus's ``/metrics`` view in the web process serves it; the worker commands
 serve the same registry on ``--metrics-port`` through :func:`start_metrics_server`.
