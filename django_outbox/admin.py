@@ -454,7 +454,9 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         """The dashboard's dead letters by reason, and whether to offer "requeue all"."""
         reasons = [r.value for r in Reason]
         return {
-            "dead_reasons": stats.dead_reasons(reasons) if snapshot.dead else [],
+            "dead_reasons": (
+                stats.dead_reasons(reasons, requested_database(request)) if snapshot.dead else []
+            ),
             "can_requeue": self.has_change_permission(request),
             "requeue_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_requeue"),
         }
@@ -471,13 +473,18 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             raise PermissionDenied
         dashboard = reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard")
         params = request.POST if request.method == "POST" else request.GET
+        # Several databases: ?database= stays in the URL the confirmation form posts to.
+        using = requested_database(request)
+        if using:
+            dashboard += f"?{DATABASE_PARAM}={using}"
         try:
             selection, command = requeue_all_selection(params)
+            command += f" --database {shlex.quote(using)}" if using else ""
         except ValueError as exc:
             self.message_user(request, str(exc), messages.ERROR)
             return HttpResponseRedirect(dashboard)
         if request.method == "POST":
-            result = requeue.requeue(selection)
+            result = requeue.requeue(selection, using=using)
             self.message_user(
                 request,
                 ngettext(
@@ -491,7 +498,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 messages.SUCCESS if result.changed else messages.WARNING,
             )
             return HttpResponseRedirect(dashboard)
-        preview = requeue.requeue(selection, dry_run=True)
+        preview = requeue.requeue(selection, dry_run=True, using=using)
         context = {
             **self.admin_site.each_context(request),
             "title": _("Requeue dead letters"),
@@ -563,10 +570,14 @@ class DatabaseFigures:
         for row in rows:
             row["url"] = f"{dashboard_url}?{DATABASE_PARAM}={row['alias']}"
         extra: dict[str, Any] = {"outbox_database": self.current, "outbox_databases": rows}
+        extra["database_query"] = ""
         if self.current == outbox_db():
             return extra
+        # The "requeue all" links add their own query to it.
+        extra["database_query"] = f"{DATABASE_PARAM}={self.current}&"
+        changelist = context.get("changelist_url", "")
         for key, value in context.items():
-            if key.endswith("_url") and isinstance(value, str):
+            if isinstance(value, str) and value.split("?")[0] == changelist:
                 extra[key] = self.link(value)
         if context.get("blocked"):
             extra["blocked"] = [(b, self.link(url)) for b, url in context["blocked"]]

@@ -436,3 +436,21 @@ def test_a_dead_letter_alert_names_its_database(caplog):
     # the default database's rows say nothing about it, as with a single database
     (default_row,) = make_events({"status": Status.DEAD})
     assert "database" not in DeadLetter.from_event(default_row).as_dict()
+
+
+@pytest.mark.django_db(databases=BOTH)
+def test_requeue_all_from_the_dashboard_of_another_database(superuser_client):
+    make_events(*[{"status": Status.DEAD, "event_type": "ORDER_PAID"}] * 3, using="other")
+    make_events({"status": Status.DEAD, "event_type": "ORDER_PAID"}, using="default")
+    body = superuser_client.get(reverse(DASHBOARD), {"database": "other"}).content.decode()
+    requeue = reverse("admin:django_outbox_outboxevent_requeue")
+    assert f"{requeue}?database=other&amp;event_type=ORDER_PAID" in body
+
+    url = f"{requeue}?database=other&event_type=ORDER_PAID"
+    page = superuser_client.get(url).content.decode()
+    assert "--database other" in page  # the same from a shell
+    response = superuser_client.post(url, {"event_type": "ORDER_PAID"})
+    assert response.status_code == 302
+    assert response["Location"].endswith("?database=other")
+    assert statuses("other") == {Status.PENDING: 3}
+    assert statuses("default") == {Status.DEAD: 1}

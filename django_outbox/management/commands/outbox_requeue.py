@@ -76,9 +76,7 @@ class Command(DatabaseCommand):
             action="store_true",
             help="Print how many would be requeued and the first of them; change nothing.",
         )
-        parser.add_argument(
-            "--database", default=None, help="Database alias (default: the router's choice)."
-        )
+        self.add_database_argument(parser)
 
     def handle(
         self,
