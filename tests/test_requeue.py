@@ -277,7 +277,7 @@ def test_nothing_matching_is_exit_0():
         (["--since", "2026-12-03T10:00"], r"no time zone; give one, e\.g\. 2026-12-03T10:00:00Z"),
         (["--since", "1h", "--until", "2h"], "is not before until"),
         (["--aggregate-id", ""], "aggregate_id is empty"),
-        (["--database", "nope"], "pass an alias from DATABASES"),
+        (["--database", "nope"], "there is no database .nope. in DATABASES; pass --database"),
     ],
 )
 def test_bad_options_are_exit_2_and_change_nothing(args, message):
