@@ -355,7 +355,8 @@ def test_dashboard_shows_every_outbox_database(superuser_client):
     figure = body.split('id="figure-pending"')[1].split("</li>")[0]
     assert '<span class="value">2</span>' in figure
     # the figures link to the event list of the database shown
-    assert f"{reverse(CHANGELIST)}?status__exact=0&amp;database=other" in figure
+    assert f"{reverse(CHANGELIST)}?status__exact=0&amp;" in figure
+    assert figure.count("&amp;database=other") == 1
     assert superuser_client.get(reverse(DASHBOARD), {"database": "nope"}).status_code == 404
 
 
