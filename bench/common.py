@@ -64,6 +64,18 @@ def sample_headers(sequence: int) -> dict[str, Any]:
     }
 
 
+def emit_sample(box: Any, sequence: int) -> Any:
+    """Emit the sample event of every bench, its aggregate id ``sequence``, through ``box``
+    (an ``outbox.atomic()`` block or the ``outbox`` module)."""
+    return box.emit(
+        SAMPLE_EVENT_TYPE,
+        payload=SAMPLE_PAYLOAD,
+        aggregate_type=SAMPLE_AGGREGATE_TYPE,
+        aggregate_id=sequence,
+        occurred_at=SAMPLE_OCCURRED_AT,
+    )
+
+
 def parser(description: str, *, default_count: int = DEFAULT_COUNT) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--smoke", action="store_true", help=f"only {SMOKE_COUNT} messages")

@@ -36,11 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.common import (
-    SAMPLE_AGGREGATE_TYPE,
-    SAMPLE_EVENT_TYPE,
-    SAMPLE_OCCURRED_AT,
-    SAMPLE_PAYLOAD,
     count_from,
+    emit_sample,
     parser,
     report,
 )
@@ -98,16 +95,6 @@ class Modes:
         self.tracing._settings = None
 
 
-def _emit(box: Any, sequence: int) -> None:
-    box.emit(
-        SAMPLE_EVENT_TYPE,
-        payload=SAMPLE_PAYLOAD,
-        aggregate_type=SAMPLE_AGGREGATE_TYPE,
-        aggregate_id=sequence,
-        occurred_at=SAMPLE_OCCURRED_AT,
-    )
-
-
 def one_transaction(request: Callable[[], Any], sequence: int) -> float:
     """Seconds of one transaction with one event: atomic(), emit(), INSERT, commit."""
     from django_outbox import outbox
@@ -115,7 +102,7 @@ def one_transaction(request: Callable[[], Any], sequence: int) -> float:
     with request():
         started = time.perf_counter()
         with outbox.atomic() as box:
-            _emit(box, sequence)
+            emit_sample(box, sequence)
         return time.perf_counter() - started
 
 
@@ -127,7 +114,7 @@ def emit_calls(request: Callable[[], Any], sequence: int) -> float:
     with request(), outbox.atomic() as box:
         for i in range(CALLS_PER_BLOCK):
             started = time.perf_counter()
-            _emit(box, sequence + i)
+            emit_sample(box, sequence + i)
             timed += time.perf_counter() - started
     return timed
 

@@ -50,6 +50,7 @@ from bench.common import (
     SAMPLE_OCCURRED_AT,
     SAMPLE_PAYLOAD,
     Stopwatch,
+    emit_sample,
     parser,
 )
 from bench.relay_bench import SERVERS, bench_database, percentile, server_url, setup_django
@@ -162,13 +163,7 @@ def emitter(rate: float) -> None:
     while not stop:
         started = time.monotonic()
         with outbox.atomic() as box:
-            box.emit(
-                SAMPLE_EVENT_TYPE,
-                payload=SAMPLE_PAYLOAD,
-                aggregate_type=SAMPLE_AGGREGATE_TYPE,
-                aggregate_id=sequence,
-                occurred_at=SAMPLE_OCCURRED_AT,
-            )
+            emit_sample(box, sequence)
         timings.append((started, time.monotonic() - started))
         if sequence == 0:
             print("ready", flush=True)

@@ -45,12 +45,9 @@ from typing import Any, TextIO
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from bench.common import (
-    SAMPLE_AGGREGATE_TYPE,
-    SAMPLE_EVENT_TYPE,
-    SAMPLE_OCCURRED_AT,
-    SAMPLE_PAYLOAD,
     CpuMeter,
     count_from,
+    emit_sample,
     parser,
     proc_status_kib,
     report,
@@ -209,16 +206,6 @@ class RelayChild:
 
 
 # -- producing and waiting -------------------------------------------------------------------
-def _emit(box: Any, sequence: int) -> Any:
-    return box.emit(
-        SAMPLE_EVENT_TYPE,
-        payload=SAMPLE_PAYLOAD,
-        aggregate_type=SAMPLE_AGGREGATE_TYPE,
-        aggregate_id=sequence,
-        occurred_at=SAMPLE_OCCURRED_AT,
-    )
-
-
 def load_backlog(count: int, chunk: int = 1000) -> None:
     """Commit ``count`` events through emit(), ``chunk`` per transaction."""
     from django_outbox import outbox
@@ -226,7 +213,7 @@ def load_backlog(count: int, chunk: int = 1000) -> None:
     for start in range(0, count, chunk):
         with outbox.atomic() as box:
             for i in range(start, min(count, start + chunk)):
-                _emit(box, i)
+                emit_sample(box, i)
 
 
 def analyze() -> None:
@@ -292,7 +279,7 @@ def warm_up(relay: RelayChild) -> None:
 
     with outbox.atomic() as box:
         for i in range(10):
-            _emit(box, i)
+            emit_sample(box, i)
     wait_until_sent(relay, 60)
 
 
@@ -379,7 +366,7 @@ def measure_latency(relay: RelayChild, rate: float, seconds: float, producers: i
                 if pause > 0:
                     time.sleep(pause)
                 with outbox.atomic() as box:
-                    event = _emit(box, i)
+                    event = emit_sample(box, i)
                 committed[event.event_id] = time.time()
         except BaseException as exc:
             errors.append(exc)
