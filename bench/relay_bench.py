@@ -16,7 +16,11 @@ own exchange and queue (deleted afterwards):
 4. the relay child's peak RSS (``VmHWM``), and its RSS when idle before the first drain;
 5. where the CPU went in (1) and (2), per event: the publisher or relay, RabbitMQ and the
    database server (whole processes, found by name on this machine). With all of them on
-   a few cores, their sum bounds what the relay can reach, whatever the relay does.
+   a few cores, their sum bounds what the relay can reach, whatever the relay does;
+6. what the database wrote per event, for the backlog's emits and for the drain: on
+   PostgreSQL row versions (and how many updates were HOT, which add no index entry),
+   index growth and WAL bytes/records/full-page images (``pg_stat_*``); on MariaDB the
+   redo log.
 
     python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3]
         [--database postgres|mariadb] [--rate 500] [--seconds 10] [--producers 4] [--batch-size N]
@@ -283,22 +287,120 @@ def warm_up(relay: RelayChild) -> None:
     wait_until_sent(relay, 60)
 
 
-def measure_drain(relay: RelayChild, count: int, meter: CpuMeter) -> float:
+def measure_drain(
+    relay: RelayChild, count: int, meter: CpuMeter, writes: tuple[WriteMeter, WriteMeter]
+) -> float:
     """Events/s of the relay over a backlog of ``count`` events committed while it was
     paused (``SIGSTOP``, as if it had been down): from ``SIGCONT`` to the last ``sent_at``.
-    ``meter`` counts the CPU used meanwhile.
+    ``meter`` counts the CPU used meanwhile; ``writes`` what the database wrote for the
+    backlog's emits and for the drain.
     """
+    emitted, drained = writes
     relay.process.send_signal(signal.SIGSTOP)
     try:
+        emitted.start()
         load_backlog(count)
+        emitted.stop()
         analyze()
+        drained.start()
     finally:
         meter.start()
         resumed = time.time()
         relay.process.send_signal(signal.SIGCONT)
     wait_until_sent(relay, 120 + count / 50)
     meter.stop()
-    return count / (last_sent_at() - resumed)
+    rate = count / (last_sent_at() - resumed)
+    drained.stop()
+    return rate
+
+
+class WriteMeter:
+    """What the database wrote for the outbox between ``start()`` and ``stop()``, per event.
+
+    PostgreSQL: row versions written (inserts, updates and how many were HOT: a HOT update
+    adds no index entry), index pages grown, and the WAL (bytes, records, full-page images;
+    server-wide, ``pg_stat_wal``, so the bench's database should be the only busy one).
+    MariaDB: the redo log written (``Innodb_os_log_written``, server-wide) and rows changed.
+    The statistics are flushed by each backend at most once a second, so ``stop()`` waits
+    until they stop changing.
+    """
+
+    FLUSH_WAIT = 1.2
+
+    def __init__(self) -> None:
+        self.before: dict[str, float] = {}
+        self.delta: dict[str, float] = {}
+
+    @staticmethod
+    def _read() -> dict[str, float]:
+        from django.db import connection
+
+        from django_outbox.models import OutboxEvent
+
+        table = OutboxEvent._meta.db_table
+        with connection.cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute("SELECT pg_stat_clear_snapshot()")
+                cursor.execute(
+                    "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                    "WHERE relname = %s",
+                    [table],
+                )
+                ins, upd, hot = cursor.fetchone()
+                cursor.execute(
+                    "SELECT coalesce(sum(pg_relation_size(indexrelid)), 0) FROM pg_index "
+                    "WHERE indrelid = %s::regclass",
+                    [table],
+                )
+                (index_bytes,) = cursor.fetchone()
+                cursor.execute("SELECT wal_bytes, wal_records, wal_fpi FROM pg_stat_wal")
+                wal_bytes, wal_records, wal_fpi = cursor.fetchone()
+                return {
+                    "inserts": ins,
+                    "updates": upd,
+                    "hot": hot,
+                    "index_bytes": index_bytes,
+                    "wal_bytes": float(wal_bytes),
+                    "wal_records": wal_records,
+                    "wal_fpi": wal_fpi,
+                }
+            cursor.execute(
+                "SHOW GLOBAL STATUS WHERE Variable_name IN "
+                "('Innodb_os_log_written', 'Innodb_rows_updated', 'Innodb_rows_inserted')"
+            )
+            return {name: float(value) for name, value in cursor.fetchall()}
+
+    def start(self) -> None:
+        self.before = self._read()
+
+    def stop(self) -> None:
+        # Read until two readings FLUSH_WAIT apart agree: every backend has flushed.
+        after = self._read()
+        for _ in range(5):
+            time.sleep(self.FLUSH_WAIT)
+            again = self._read()
+            if again == after:
+                break
+            after = again
+        self.delta = {name: after[name] - self.before[name] for name in after}
+
+    def per_event(self, count: int) -> str:
+        d = {name: value / count for name, value in self.delta.items()}
+        if "wal_bytes" in d:
+            updates = self.delta["updates"]
+            hot = self.delta["hot"] / updates if updates else 0.0
+            return (
+                f"rows written {d['inserts'] + d['updates']:.2f} ({d['inserts']:.2f} inserts, "
+                f"{d['updates']:.2f} updates, {hot:.0%} HOT), index growth "
+                f"{d['index_bytes']:,.0f} B, WAL {d['wal_bytes']:,.0f} B in "
+                f"{d['wal_records']:.1f} records ({d['wal_fpi']:.2f} full-page images)"
+            )
+        if "Innodb_os_log_written" in d:
+            return (
+                f"rows written {d['Innodb_rows_inserted'] + d['Innodb_rows_updated']:.2f}, "
+                f"redo log {d['Innodb_os_log_written']:,.0f} B"
+            )
+        return "n/a"
 
 
 BROKER_PROCESS = ["-x", "beam.smp"]  # a local RabbitMQ
@@ -441,6 +543,10 @@ def main() -> None:
         code = 1
         try:
             warm_up(relay)
+            # RabbitMQ publishes faster after its first run of this size (seen: raw pika
+            # 11k -> 15k -> 18k events/s over three runs): one unmeasured round first, so
+            # run 1 is compared with a broker as warm as in the runs after it.
+            raw_pika_rate(count, url=args.url)
             idle_rss = relay.rss_mib()
             ratios, drains, baselines, latencies = [], [], [], []
             for run in range(1, args.repeat + 1):
@@ -456,7 +562,8 @@ def main() -> None:
                         "database": DATABASE_PROCESS[args.database],
                     }
                 )
-                drain = measure_drain(relay, count, drain_cpu)
+                writes = (WriteMeter(), WriteMeter())
+                drain = measure_drain(relay, count, drain_cpu, writes)
                 clear_outbox(args.url, exchange)
                 latency = measure_latency(relay, args.rate, seconds, args.producers)
                 baselines.append(baseline)
@@ -473,6 +580,8 @@ def main() -> None:
                     peak_rss=relay.peak_rss_mib(),
                 )
                 print(cpu_line(baseline_cpu, drain_cpu, count))
+                print(f"  database writes per event: emit {writes[0].per_event(count)}")
+                print(f"                             drain {writes[1].per_event(count)}")
                 print(latency.line(), flush=True)
             peak = relay.peak_rss_mib()
         finally:
