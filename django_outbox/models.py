@@ -48,7 +48,20 @@ class OutboxEvent(models.Model):
     )
     next_retry_time = models.DateTimeField(
         _("next retry time"),
-        help_text=_("When the row is next due; while a relay holds it, the end of its lease."),
+        help_text=_(
+            "When the row is next due: at once, when scheduled, or after a failed attempt."
+        ),
+    )
+    # Not next_retry_time: the lease must change no indexed column, so that on PostgreSQL
+    # the claim's UPDATE is a HOT update that writes no index entry (migration 0008).
+    leased_until = models.DateTimeField(
+        _("leased until"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "While a relay holds the row: the end of its lease. Another relay may claim the "
+            "row once it has passed."
+        ),
     )
     lease_token = models.CharField(
         _("lease token"),

@@ -4,6 +4,7 @@ row, and stamps ``updated_at`` from the database clock (which the incident queri
 from __future__ import annotations
 
 import ast
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,6 +30,7 @@ LIFECYCLE_COLUMNS = {
     "due_at",
     "retry_count",
     "replay_count",
+    "leased_until",
     "lease_token",
     "last_error",
 }
@@ -87,6 +89,71 @@ def test_claim_stamps_updated_at():
     token, rows = OutboxEvent.objects.due().claim(10, lease_seconds=60)
     assert [r.pk for r in rows] == [row.pk]
     assert assert_just_changed(row).lease_token == token
+
+
+def test_a_lease_holds_the_row_until_it_runs_out_and_leaves_its_due_time_alone():
+    (row,) = make_events({"due_age": 5})
+    due_before = OutboxEvent.objects.get(pk=row.pk).next_retry_time
+    token, _ = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    held = OutboxEvent.objects.get(pk=row.pk)
+    assert held.next_retry_time == due_before
+    assert held.leased_until > db_now() + timedelta(seconds=50)
+    assert not OutboxEvent.objects.due().exists()
+    assert list(OutboxEvent.objects.leased()) == [held]
+    # Released: due at once (its due time had passed), the lease gone, no index changed.
+    assert OutboxEvent.objects.all().release(token, [row.pk]) == 1
+    released = OutboxEvent.objects.get(pk=row.pk)
+    assert (released.next_retry_time, released.leased_until) == (due_before, None)
+    assert list(OutboxEvent.objects.due()) == [released]
+    # A lease that ran out (its relay died) leaves the row due for any relay.
+    token, _ = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    OutboxEvent.objects.filter(pk=row.pk).update(leased_until=db_now() - timedelta(seconds=1))
+    assert list(OutboxEvent.objects.due()) == [released]
+    assert not OutboxEvent.objects.leased().exists()
+
+
+def test_settles_clear_the_lease():
+    sent, failed, dead = make_events({}, {}, {})
+    token, _ = OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    events = OutboxEvent.objects.all()
+    assert events.mark_sent(token, [sent.pk]) == 1
+    events.mark_failed(token, [(failed, "[nacked] x")], FixedRetryPolicy(60, max_attempts=2))
+    events.mark_failed(token, [(dead, "[nacked] x")], FixedRetryPolicy(60, max_attempts=0))
+    leases = OutboxEvent.objects.order_by("pk").values_list("status", "leased_until")
+    assert list(leases) == [(Status.SENT, None), (Status.PENDING, None), (Status.DEAD, None)]
+
+
+def test_the_lease_writes_no_indexed_column():
+    """The claim's UPDATE changes only columns no index holds, so on PostgreSQL it is a HOT
+    update: no new index entry per claimed row (migration 0008)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    make_events({}, {})
+    with CaptureQueriesContext(connection) as queries:
+        OutboxEvent.objects.due().claim(10, lease_seconds=60)
+    (update,) = [q["sql"] for q in queries if q["sql"].lstrip().upper().startswith("UPDATE")]
+    assignments = update.split(" SET ", 1)[1].split(" WHERE ", 1)[0]
+    written = set(re.findall(r'[`"]?(\w+)[`"]?\s*=', assignments))
+    assert written == {"leased_until", "lease_token", "updated_at"}
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, OutboxEvent._meta.db_table)
+    indexed = {column for c in constraints.values() if c["index"] for column in c["columns"]}
+    assert indexed and not written & indexed
+
+
+def test_postgresql_leaves_room_on_each_page_for_the_lease():
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("fillfactor is PostgreSQL's")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+            [OutboxEvent._meta.db_table],
+        )
+        (options,) = cursor.fetchone()
+    assert "fillfactor=50" in options
 
 
 def test_requeue_and_mark_dead_stamp_updated_at():

@@ -14,7 +14,7 @@ from django_outbox.backends.base import Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.stats import db_now
 from tests.utils.relay import make_relay
-from tests.utils.rows import make_events
+from tests.utils.rows import expire_leases, make_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -80,7 +80,7 @@ def test_settings_drive_the_claim(settings):
     head, nxt = rows(("O", "a"), ("O", "a"))
     settings.OUTBOX_ORDERED = False
     assert claim_ids(ordered=None, limit=1) == [head.pk]
-    OutboxEvent.objects.update(next_retry_time=db_now() - timedelta(seconds=1))
+    expire_leases()
     settings.OUTBOX_ORDERED = True
     assert claim_ids(ordered=None) == [head.pk]
     OutboxEvent.objects.filter(pk=head.pk).update(status=Status.DEAD)
@@ -97,7 +97,7 @@ def test_a_list_orders_those_event_or_aggregate_types_only():
     )
     # NOTE_ADDED is not ordered: it neither waits nor holds ORDER_PAID back.
     assert claim_ids(ordered=["ORDER_CREATED", "ORDER_PAID"]) == [created.pk, note.pk]
-    OutboxEvent.objects.update(next_retry_time=db_now() - timedelta(seconds=1))
+    expire_leases()
     # By aggregate type: every event of ORDER aggregates is ordered.
     assert claim_ids(ordered=["ORDER"]) == [created.pk]
 

@@ -279,7 +279,7 @@ def leased_rows() -> dict[int, str]:
     return dict(
         OutboxEvent.objects.pending()
         .exclude(lease_token="")
-        .filter(next_retry_time__gt=timezone.now())
+        .filter(leased_until__gt=timezone.now())
         .values_list("id", "lease_token")
     )
 

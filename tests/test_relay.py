@@ -20,6 +20,7 @@ from django_outbox.querysets import CLAIM_FIELDS
 from django_outbox.relay import BrokerOutage, Stage
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
 from tests.utils.relay import make_relay
+from tests.utils.rows import expire_leases
 from tests.utils.threads import db_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -212,7 +213,7 @@ def test_settle_is_fenced_on_the_lease_token():
     stale = make_relay(lease_seconds=60)
     batch = stale.claim(10)
     # The lease runs out while the first relay is frozen; a second relay takes the rows.
-    OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
+    expire_leases()
     assert make_relay().drain().sent == 2
     # The stale relay wakes up and reports a failure for one row and success for the other.
     batch.results = [PublishResult.failed(Reason.NACKED, "late"), PublishResult.sent()]
@@ -228,7 +229,7 @@ def test_stale_relay_says_its_failed_and_unconfirmed_rows_were_taken_over(caplog
     emit_many(2)
     stale = make_relay(lease_seconds=60)
     batch = stale.claim(10)
-    OutboxEvent.objects.update(next_retry_time=timezone.now() - timedelta(seconds=1))
+    expire_leases()
     assert make_relay().drain().sent == 2
     batch.results = [
         PublishResult.failed(Reason.TIMEOUT, "late"),
@@ -272,7 +273,13 @@ def test_claimed_rows_are_what_loading_them_gives():
     assert row.occurred_at.tzinfo is not None and row.created_at.tzinfo is not None
     assert row.payload == {"total": "9.90", "items": [1, "two"], "ünï": None}
     assert row._state.db == "default" and not row._state.adding
-    assert row.get_deferred_fields() == {"next_retry_time", "last_error", "sent_at", "updated_at"}
+    assert row.get_deferred_fields() == {
+        "next_retry_time",
+        "leased_until",
+        "last_error",
+        "sent_at",
+        "updated_at",
+    }
     assert row.next_retry_time == loaded.next_retry_time  # a deferred column loads on access
     row.last_error = "edited"
     row.save(update_fields=["last_error"])
@@ -514,14 +521,14 @@ def test_a_batch_claimed_again_keeps_within_max_events():
     emit_many(80)
     later = timezone.now() + timedelta(minutes=5)
     leased = list(OutboxEvent.objects.order_by("id").values_list("pk", flat=True)[10:])
-    OutboxEvent.objects.filter(pk__in=leased).update(next_retry_time=later)
+    OutboxEvent.objects.filter(pk__in=leased).update(leased_until=later, lease_token="dead")
 
     relay = make_relay(backend=SlowConfirms(), batch_size=50, lease_seconds=10, db_thread=False)
     claim = relay.claim
 
     def leases_run_out(limit):
         batch = claim(limit)
-        OutboxEvent.objects.filter(pk__in=leased).update(next_retry_time=timezone.now())
+        expire_leases(OutboxEvent.objects.filter(pk__in=leased))
         return batch
 
     relay.claim = leases_run_out

@@ -24,7 +24,7 @@ from django_outbox.stats import db_now
 from points.models import PointsLedger
 from tests.utils.amqp import make_consumer
 from tests.utils.relay import make_relay
-from tests.utils.rows import make_events
+from tests.utils.rows import expire_leases, make_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -106,9 +106,7 @@ def test_exclude_in_flight_leaves_out_rows_a_relay_holds():
     OutboxEvent.objects.filter(pk=held.pk).claim(1, lease_seconds=600)
     OutboxEvent.objects.filter(pk=expired.pk).claim(1, lease_seconds=600)
     # A lease that ran out (its relay died) is no longer in flight.
-    OutboxEvent.objects.filter(pk=expired.pk).update(
-        next_retry_time=db_now() - timedelta(seconds=1)
-    )
+    expire_leases(OutboxEvent.objects.filter(pk=expired.pk))
     left = OutboxEvent.objects.pending().exclude_in_flight()
     assert sorted(left.values_list("pk", flat=True)) == [backoff.pk, expired.pk]
 

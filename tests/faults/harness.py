@@ -193,6 +193,7 @@ def snapshot() -> dict[str, tuple[Any, ...]]:
             "retry_count",
             "sent_at",
             "next_retry_time",
+            "leased_until",
             "lease_token",
             "last_error",
         )

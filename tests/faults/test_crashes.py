@@ -244,6 +244,7 @@ def test_sigterm_with_confirms_outstanding_exits_0_and_settles(broker, proxied, 
     # No row stuck under a dead claim: what was not sent is due now, with no attempt lost.
     stuck = OutboxEvent.objects.pending().exclude(lease_token="")
     assert not stuck.exists()
+    assert not OutboxEvent.objects.leased().exists()
     assert not OutboxEvent.objects.pending().filter(next_retry_time__gt=DbNow()).exists()
     assert not OutboxEvent.objects.exclude(retry_count=0).exists()
     assert set(broker.collect()) == sent  # confirmed <=> SENT, before anything else runs

@@ -2,6 +2,7 @@
 
 - :func:`make_events` inserts rows at chosen ages, measured back from the database clock as
   the relay and the figures measure them;
+- :func:`expire_leases` ends the leases of claimed rows, as if their relay had died;
 - :func:`make_inbox` inserts consumer inbox rows processed at chosen ages (database clock);
 - :func:`unsaved_event` builds a row that is never saved, only handed to the encoders, a
   backend or a consumer; :func:`wire_rows` is a batch of them whose every field shows on
@@ -70,6 +71,16 @@ def make_events(
     for row in rows:  # MySQL returns no ids from a bulk insert
         row.save(using=using, force_insert=True)
     return rows
+
+
+def expire_leases(rows: Any = None) -> int:
+    """End the lease of the claimed rows of ``rows`` (a queryset; default every row), as if
+    their relay had frozen or died a lease ago: any relay may claim them again. Returns how
+    many rows had a lease."""
+    queryset = OutboxEvent.objects.all() if rows is None else rows
+    return queryset.filter(leased_until__isnull=False).update(
+        leased_until=db_now(queryset.db) - timedelta(seconds=1)
+    )
 
 
 def make_inbox(*ages_days: float, handler: str = "tests.Handler") -> list[InboxMessage]:
