@@ -1,7 +1,8 @@
-"""Publish outbox events through the project's Celery app, with publisher confirms.
+"""Publish outbox events to the Celery app's RabbitMQ, with pipelined publisher confirms.
 
 For teams that already run Celery on RabbitMQ: the relay uses the Celery app's broker
-settings (URL, failover, SSL, transport options) and sends each event either
+(``broker_url``, failover URLs, ``broker_use_ssl``, ``broker_login_method``) and routing,
+and sends each event either
 
 * as a **task message** for the task named in ``OUTBOX_CELERY_TASKS[event_type]``, routed
   by the app's ``task_routes`` like any ``send_task()``; the task gets one argument, the
@@ -11,27 +12,27 @@ settings (URL, failover, SSL, transport options) and sends each event either
   :class:`~django_outbox.backends.pika.PikaBackend` sends it (``consume_outbox`` and other
   AMQP consumers read it unchanged), for event types with no task.
 
-Sent means confirmed here too. The backend opens its own connection with
-``app.connection_for_write()``, forcing the py-amqp transport option ``confirm_publish``
-on whatever the app's ``broker_transport_options`` say, and publishes with
-``mandatory=True``. With ``confirm_publish`` py-amqp waits for each message's confirm
-before the next is written (kombu offers no pipelined confirms for AMQP), so a batch costs
-one round trip per event; the pika backend pipelines them. Outcome of each message:
+The messages are written by the pika backend's machinery: a whole batch goes out before
+any confirm is awaited, and ``basic.ack``/``basic.nack``/``basic.return`` are matched back
+to the rows by delivery tag and ``message_id`` (see :mod:`django_outbox.backends.pika` for
+the outcome of each message). kombu cannot do this: with ``confirm_publish`` py-amqp waits
+for each message's confirm before the next is written, one round trip per event, and
+``app.send_task()`` alone costs more per message than the whole pika path.
 
-* ``basic.ack``: sent, unless a ``basic.return`` came first: UNROUTABLE;
-* ``basic.nack`` (py-amqp raises ``MessageNacked``): NACKED;
-* no confirm within ``confirm_timeout``: TIMEOUT for that event; the connection is
-  dropped (a late confirm would be taken for the next message's) and the rest of the batch
-  is reported CONNECTION_LOST, unsent, so the relay backs off instead of waiting
-  ``confirm_timeout`` per event;
-* the connection breaks: CONNECTION_LOST for it and the rest of the batch;
-* a channel error (e.g. a task routed to an exchange that does not exist): ERROR for that
-  event, and a new channel for the next one.
-
-kombu's docstring calls ``mandatory`` unsupported; py-amqp passes it on, and since the
-broker sends ``basic.return`` before the ack that ``confirm_publish`` waits for, the return
-reaches :meth:`CeleryBackend._on_return` while the publish call is still waiting (the
-tests check this on a real RabbitMQ).
+A task message is built here, in Celery's task message protocol v2 (documented and
+stable: ``docs/internals/protocol`` in Celery): the headers ``app.amqp.as_task_v2()``
+writes, the body ``[args, kwargs, embed]`` encoded with the app's ``task_serializer`` (and
+``task_compression``) through kombu's serializer registry, ``correlation_id`` = task id.
+What Celery decides is asked of Celery: the destination comes from the app's router
+(``task_routes``, ``task_queues``, ``task_default_queue``/``_exchange``/``_routing_key``,
+``task_default_delivery_mode``) with ``send_task()``'s rules, and a queue a task is routed
+to is declared with kombu, as ``send_task()`` declares it, once per connection, on a
+short-lived connection of its own, before the first message to it is written; an exchange
+named by a route without a queue is checked (passively) the same way. A failed
+declaration fails that row only (ERROR, or TIMEOUT when the broker does not answer, and
+then the rest of the batch is not sent). ``before_task_publish`` and
+``after_task_publish`` are sent for each task message when they have receivers, so
+instrumentation that adds headers there still works.
 
 Only RabbitMQ (the ``amqp``/``pyamqp`` transports) has publisher confirms: with any other
 Celery broker the backend refuses to publish and ``manage.py check`` says so (E013).
@@ -43,46 +44,56 @@ Importing this module imports Celery; nothing else in django_outbox does (beside
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import socket
-from collections.abc import Sequence
+import ssl
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 try:
     import celery
-    from amqp.exceptions import MessageNacked
-    from kombu import Connection, Exchange, Producer
-    from kombu.exceptions import OperationalError
+    from celery import signals
+    from celery.app.routes import MapRoute
+    from celery.utils.nodenames import anon_nodename
+    from kombu import Exchange, Queue
+    from kombu.common import Broadcast
+    from kombu.compression import compress
+    from kombu.serialization import dumps
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         f"django_outbox.backends.celery.CeleryBackend needs Celery ({exc}); install it "
         "with `pip install 'django-transactional-outbox[celery]'`."
     ) from exc
 
+import pika
 from django.core.checks import CheckMessage, Error
+from django.core.serializers.json import DjangoJSONEncoder
 from django.utils.module_loading import import_string
+from pika import spec
 
 from ..checks import Codes
-from ..conf import outbox_settings
-from ..message import encode_task_envelope
-from .base import (
-    AmqpBackend,
-    BrokerUnavailable,
-    PublishResult,
-    Reason,
-    SyncBackend,
-    describe_error,
-)
+from ..conf import broker_urls, outbox_settings
+from ..message import encode_body, encode_headers, encode_task_envelope
+from ..worker import BrokerNodes
+from .base import BrokerUnavailable, PublishResult, Reason, describe_error
+from .pika import CLOSE_TIMEOUT, PikaBackend, Unsendable
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
 
+__all__ = ["CLOSE_TIMEOUT", "CeleryBackend", "load_app"]
+
 logger = logging.getLogger("django_outbox.backends.celery")
 
-#: How long close() waits for the broker's close-ok before dropping the socket anyway.
-CLOSE_TIMEOUT = 2.0
 #: Celery transports with publisher confirms (py-amqp); "amqp" is Celery's alias of pyamqp.
 CONFIRMING_TRANSPORTS = ("amqp", "pyamqp", "amqps")
+#: kombu's names of the delivery modes (``task_default_delivery_mode = "persistent"``).
+DELIVERY_MODES = {"transient": 1, "persistent": 2}
+#: The third element of a task message's body: no callbacks, errbacks, chain or chord.
+EMBED: dict[str, None] = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+_EMBED_JSON = json.dumps(EMBED, separators=(",", ":")).encode()
+# The envelope's headers as encode_task_envelope() writes them (DjangoJSONEncoder).
+_HEADERS_ENCODER = DjangoJSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def load_app(path: str | celery.Celery | None = None) -> celery.Celery:
@@ -98,15 +109,19 @@ def load_app(path: str | celery.Celery | None = None) -> celery.Celery:
     return app
 
 
-class CeleryBackend(SyncBackend, AmqpBackend):
-    """Publish through the project's Celery app: task messages or plain outbox messages.
+class CeleryBackend(PikaBackend):
+    """Publish through the project's Celery app: task messages or plain outbox messages,
+    with the pika backend's pipelined confirms.
 
     Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting: ``app``
     (``OUTBOX_CELERY_APP``: a dotted path or a Celery instance), ``tasks``
     (``OUTBOX_CELERY_TASKS``), ``exchange_type``, ``exchange_passive``,
     ``confirm_timeout``, ``connect_timeout``; plus the base class's ``exchange``,
-    ``routing_keys`` and ``routing_key_func`` for plain messages.
+    ``routing_keys`` and ``routing_key_func`` for plain messages. The broker is the app's:
+    there is no ``broker_url`` option.
     """
+
+    url_setting = "the Celery app's broker_url"
 
     def __init__(
         self,
@@ -115,21 +130,33 @@ class CeleryBackend(SyncBackend, AmqpBackend):
         tasks: dict[str, str] | None = None,
         **options: Any,  # exchange_type, exchange_passive, ...: see AmqpBackend
     ) -> None:
-        super().__init__(**options)
+        if "broker_url" in options:
+            raise TypeError(
+                "CeleryBackend publishes to the Celery app's broker and takes no broker_url "
+                "option: set the app's broker_url, or use PikaBackend with OUTBOX_BROKER_URL."
+            )
+        # The nodes are the app's, read when the backend first connects (open()): loading
+        # the app is left until it is needed, as before.
+        super().__init__(broker_url=[], **options)
         self._app_path = app
         self._app: celery.Celery | None = app if isinstance(app, celery.Celery) else None
         self.tasks = dict(outbox_settings.CELERY_TASKS if tasks is None else tasks)
-        self._connection: Connection | None = None
-        self._channel: Any = None
-        self._producer: Producer | None = None
-        self._exchange_declared = False
-        self._returned: str = ""  # why the broker sent back the message just published
+        # Destinations of task messages declared (or checked) on the connection named by
+        # _declared_on; a new connection declares them again, as kombu would.
+        self._declared: set[tuple[str, str]] = set()
+        self._declared_on: object = None
+        self._origin = anon_nodename()
+        self._routes: dict[str, _Route] = {}  # task name -> route, when routed by name
+        self._by_name: bool | None = None  # whether the app routes by task name only
 
     @property
     def app(self) -> celery.Celery:
         if self._app is None:
             self._app = load_app(self._app_path)
         return self._app
+
+    def __repr__(self) -> str:
+        return f"<CeleryBackend {self.nodes or '(app not loaded)'} exchange={self.exchange!r}>"
 
     # -- system checks ---------------------------------------------------------------------
     @classmethod
@@ -162,204 +189,305 @@ class CeleryBackend(SyncBackend, AmqpBackend):
 
     # -- connection ------------------------------------------------------------------------
     def open(self) -> None:
-        """Connect with publisher confirms on (idempotent)."""
-        if self._producer is not None:
-            return
-        app = self.app
-        transport = _transport_name(app)
-        if transport not in CONFIRMING_TRANSPORTS:
-            raise BrokerUnavailable(
-                f"the Celery app's broker transport {transport!r} has no publisher confirms; "
-                "run `manage.py check` (django_outbox.E013)"
-            )
-        connection = app.connection_for_write(
-            transport_options={"confirm_publish": True},
-            connect_timeout=self.connect_timeout,
+        """Connect to the app's broker (the first of its URLs that answers, as the pika
+        backend does with OUTBOX_BROKER_URL), with publisher confirms on (idempotent)."""
+        if not self.nodes:
+            app = self.app
+            transport = _transport_name(app)
+            if transport not in CONFIRMING_TRANSPORTS:
+                raise BrokerUnavailable(
+                    f"the Celery app's broker transport {transport!r} has no publisher "
+                    "confirms; run `manage.py check` (django_outbox.E013)"
+                )
+            self.nodes = BrokerNodes(_app_broker_urls(app))
+        super().open()
+
+    def _node_parameters(self) -> pika.ConnectionParameters:
+        """The current node as kombu reads it with the app's settings: host, port, vhost
+        and credentials of the URL (kombu's defaults and URL forms, ``//`` for ``/``),
+        ``broker_login_method`` and ``broker_use_ssl``."""
+        info = self.app.connection_for_write(self.nodes.current).info()
+        use_ssl = info.get("ssl") or self.nodes.current.lower().startswith("amqps://")
+        if str(info.get("login_method") or "").upper() == "EXTERNAL":
+            credentials: Any = pika.credentials.ExternalCredentials()
+        else:
+            credentials = pika.PlainCredentials(info["userid"] or "", info["password"] or "")
+        return pika.ConnectionParameters(
+            host=info["hostname"] or "localhost",
+            port=int(info["port"] or (5671 if use_ssl else 5672)),
+            virtual_host=info["virtual_host"] or "/",
+            credentials=credentials,
+            ssl_options=_ssl_options(use_ssl, info["hostname"]) if use_ssl else None,
         )
-        url = connection.as_uri()  # the password is masked
+
+    # -- messages --------------------------------------------------------------------------
+    def _message(self, event: OutboxEvent) -> tuple[str, str, bytes, spec.BasicProperties]:
+        name = self.tasks.get(event.event_type)
+        if not name:
+            return super()._message(event)
+        return self._task_message(name, event)
+
+    def _task_message(
+        self, name: str, event: OutboxEvent
+    ) -> tuple[str, str, bytes, spec.BasicProperties]:
+        """``event`` as the message ``app.send_task(name, args=[envelope],
+        task_id=event_id)`` would publish (protocol v2)."""
+        task_id = event.event_id
+        args: list[Any] | None = None
+        route = self._routes.get(name)
+        if route is None:
+            args = [encode_task_envelope(event)]
+            route = self._route(name, args)
+        self._declare(route.queue, route.exchange)
+        # What worker logs and monitors show instead of the payload: no personal data in
+        # logs, and no repr of a large payload per message.
+        argsrepr = f"(<{event.event_type} event {task_id}>,)"
+        # The protocol's required headers and the optional ones that say something here;
+        # the rest (eta, expires, retries, timelimit, shadow, stamps...) are left at the
+        # worker's defaults, which are what send_task() would write: every header is
+        # encoded per message, and they are most of a task message's cost. ignore_result
+        # is left to the task's own setting, as apply_async() does.
+        headers: dict[str, Any] = {
+            "lang": "py",
+            "task": name,
+            "id": task_id,
+            "root_id": task_id,
+            "parent_id": None,
+            "group": None,
+            "argsrepr": argsrepr,
+            "kwargsrepr": "{}",
+            "origin": self._origin,
+        }
+        properties: dict[str, Any] = {"correlation_id": task_id, "reply_to": ""}
+        body: tuple[list[Any], dict[str, Any], dict[str, Any]] | None = None
+        if route.serializer == "json" and not signals.before_task_publish.receivers:
+            # What kombu's json serializer makes of the same body, written directly: the
+            # payload and headers are encoded once, not encoded, decoded (the envelope is
+            # plain JSON types) and encoded again (a test compares the two).
+            content_type, content_encoding = "application/json", "utf-8"
+            data: bytes | str = _task_body_json(event)
+        else:
+            if args is None:
+                args = [encode_task_envelope(event)]
+            body = (args, {}, dict(EMBED))
+            if signals.before_task_publish.receivers:
+                signals.before_task_publish.send(
+                    sender=name,
+                    body=body,
+                    exchange=route.exchange,
+                    routing_key=route.routing_key,
+                    declare=[route.queue] if route.queue is not None else [],
+                    headers=headers,
+                    properties=properties,
+                    retry_policy={},
+                )
+            content_type, content_encoding, data = dumps(body, serializer=route.serializer)
+        if route.compression:
+            data, headers["compression"] = compress(data, route.compression)
+        props = spec.BasicProperties(
+            content_type=content_type,
+            content_encoding=content_encoding,
+            headers=headers,
+            delivery_mode=route.delivery_mode,
+            priority=route.priority,
+            # message_id: how a basic.return is matched to its row (and what the pika
+            # backend's messages carry); Celery itself sets only correlation_id.
+            message_id=task_id,
+            correlation_id=properties.get("correlation_id", task_id),
+            reply_to=properties.get("reply_to") or None,
+        )
+        if signals.after_task_publish.receivers:
+            # Sent once the message is built; the relay writes it next, and SENT still
+            # waits for the broker's confirm.
+            if body is None:
+                body = ([encode_task_envelope(event)], {}, dict(EMBED))
+            signals.after_task_publish.send(
+                sender=name, body=body, exchange=route.exchange, routing_key=route.routing_key
+            )
+        return (
+            route.exchange,
+            route.routing_key,
+            data if isinstance(data, bytes) else data.encode(),
+            props,
+        )
+
+    def _route(self, name: str, args: list[Any]) -> _Route:
+        """Where the app's router sends task ``name`` with ``args``, with what serializer,
+        compression, priority and delivery mode. Kept per task name when the app routes by
+        name only (``task_routes`` of names and patterns, or none); a router function may
+        look at the arguments, so then it is asked for every message."""
+        app = self.app
+        conf = app.conf
+        if self._by_name is None:
+            self._by_name = all(isinstance(r, MapRoute) for r in app.amqp.routes)
+        options = app.amqp.router.route({}, name, args, {})
+        exchange, routing_key, delivery_mode, queue = _destination(app, options)
+        route = _Route(
+            exchange=exchange,
+            routing_key=routing_key,
+            delivery_mode=delivery_mode,
+            queue=queue,
+            serializer=options.get("serializer") or conf.task_serializer,
+            compression=options.get("compression") or conf.task_compression,
+            priority=options.get("priority"),
+        )
+        if self._by_name:
+            self._routes[name] = route
+        return route
+
+    def _declare(self, queue: Queue | None, exchange: str) -> None:
+        """Declare the task's queue (as ``send_task()`` does) and check that the exchange it
+        is published to exists, once per connection; raise :class:`Unsendable` if not."""
+        if self._declared_on is not self._connection:
+            self._declared.clear()
+            self._declared_on = self._connection
+        key = (queue.name if queue is not None else "", exchange)
+        if key in self._declared:
+            return
+        queue_exchange = queue.exchange.name if queue is not None and queue.exchange else ""
+        check_exchange = bool(exchange) and exchange != queue_exchange
+        if queue is None and not check_exchange:
+            self._declared.add(key)
+            return
+        connection = self.app.connection_for_write(
+            self.nodes.current, connect_timeout=self.connect_timeout
+        )
+        what = f"queue {queue.name!r}" if queue is not None else f"exchange {exchange!r}"
         try:
             connection.connect()
             channel = connection.channel()
+            # py-amqp waits for each answer without a bound otherwise.
+            with contextlib.suppress(Exception):
+                channel.connection.transport.sock.settimeout(self.confirm_timeout)
+            if queue is not None:
+                queue(channel).declare()
+            if check_exchange:
+                channel.exchange_declare(exchange, "direct", passive=True)
+        except TimeoutError as exc:
+            connection.collect()
+            raise Unsendable(
+                PublishResult.failed(
+                    Reason.TIMEOUT,
+                    f"declaring the task's {what}: no answer from RabbitMQ within "
+                    f"{self.confirm_timeout:g} s (OUTBOX_CONFIRM_TIMEOUT)",
+                ),
+                rest=f"not sent: RabbitMQ did not answer the declaration of {what}",
+            ) from exc
         except Exception as exc:
             connection.collect()
-            raise BrokerUnavailable(
-                f"cannot connect to the Celery broker at {url}: {describe_error(exc)}. Check the "
-                "app's broker_url; the relay retries with backoff."
+            if isinstance(exc, connection.channel_errors):
+                raise Unsendable(
+                    PublishResult.failed(
+                        Reason.ERROR, f"cannot declare the task's {what}: {describe_error(exc)}"
+                    )
+                ) from exc
+            raise Unsendable(
+                PublishResult.failed(
+                    Reason.CONNECTION_LOST,
+                    f"cannot declare the task's {what}: {describe_error(exc)}",
+                ),
+                rest=f"not sent: the declaration of {what} failed",
             ) from exc
-        self._connection = connection
-        # Bound every read and write, not only the confirm wait: declaring the exchange or
-        # a task's queue is a round trip too, and py-amqp would wait for it forever.
         with contextlib.suppress(Exception):
-            channel.connection.transport.sock.settimeout(self.confirm_timeout)
-        self._use_channel(channel)
-        logger.info("connected to the Celery broker at %s (app %s)", url, app.main)
-
-    def _use_channel(self, channel: Any) -> None:
-        channel.events["basic_return"].add(self._on_return)
-        self._channel = channel
-        self._producer = Producer(channel, auto_declare=False)
-        self._exchange_declared = False
-
-    def close(self) -> None:
-        self._release(graceful=True)
-
-    def _release(self, *, graceful: bool) -> None:
-        connection, self._connection = self._connection, None
-        channel, self._channel, self._producer = self._channel, None, None
-        self._exchange_declared = False
-        if connection is None:
-            return
-        if graceful:
-            # py-amqp waits for the broker's close-ok without a timeout: bound it, or a
-            # broker that stopped answering keeps a stopping relay (or worker) forever.
-            with contextlib.suppress(Exception):
-                channel.connection.transport.sock.settimeout(CLOSE_TIMEOUT)
-            try:
-                connection.release()
-                return
-            except Exception:
-                logger.debug("closing the Celery broker connection failed", exc_info=True)
-        # Without a word to the broker: after a timeout or a broken socket a close could
-        # wait for an answer that never comes.
-        connection.collect()
-
-    def _new_channel(self) -> None:
-        """After a channel error: a fresh channel on the same connection."""
-        assert self._connection is not None
-        self._use_channel(self._connection.channel())
-
-    def _on_return(self, exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
-        # py-amqp calls this while waiting for the confirm of the message just published.
-        self._returned = (
-            f"returned by RabbitMQ: {exc} (no queue bound to exchange {exchange!r} for "
-            f"routing key {routing_key!r})"
-        )
-
-    # -- publishing ------------------------------------------------------------------------
-    def publish(self, events: Sequence[OutboxEvent]) -> list[PublishResult]:
-        if not events:
-            return []
-        self.open()
-        results: list[PublishResult] = []
-        for index, event in enumerate(events):
-            result = self._publish_one(event)
-            results.append(result)
-            if self._producer is not None:
-                continue
-            # The connection was dropped. After a timeout or a lost connection the broker
-            # is in trouble: the rest is not sent (the relay releases it and backs off).
-            error = ""
-            if result.reason in (Reason.TIMEOUT, Reason.CONNECTION_LOST):
-                error = f"not sent: the connection was dropped after event {event.event_id}"
-            else:
-                try:
-                    self.open()
-                except BrokerUnavailable as exc:
-                    error = f"not sent: {exc}"
-            if error:
-                results.extend(
-                    PublishResult.failed(Reason.CONNECTION_LOST, error) for _ in events[index + 1 :]
-                )
-                break
-        return results
-
-    def _publish_one(self, event: OutboxEvent) -> PublishResult:
-        task = self.tasks.get(event.event_type)
-        self._returned = ""
+            channel.connection.transport.sock.settimeout(CLOSE_TIMEOUT)
         try:
-            if task:
-                self._send_task(task, event)
-            else:
-                self._send_message(event)
-        except Exception as exc:
-            return self._failure(event, exc)
-        if self._returned:
-            return PublishResult.failed(Reason.UNROUTABLE, self._returned)
-        return PublishResult.sent()
+            connection.release()
+        except Exception:
+            connection.collect()
+        self._declared.add(key)
 
-    def _send_task(self, name: str, event: OutboxEvent) -> None:
-        self.app.send_task(
-            name,
-            args=[encode_task_envelope(event)],
-            task_id=event.event_id,
-            # What worker logs and monitors show instead of the payload: no personal data
-            # in logs, and no repr of a large payload per message.
-            argsrepr=f"(<{event.event_type} event {event.event_id}>,)",
-            kwargsrepr="{}",
-            producer=self._producer,
-            add_to_parent=False,
-            # The relay retries (with its backoff and lease); kombu must not block on it.
-            retry=False,
-            mandatory=True,
-            timeout=self.confirm_timeout,
-            confirm_timeout=self.confirm_timeout,
+
+@dataclass(frozen=True)
+class _Route:
+    """Where and how a task message goes (see :meth:`CeleryBackend._route`)."""
+
+    exchange: str
+    routing_key: str
+    delivery_mode: int
+    queue: Queue | None  # declared before the first message to it
+    serializer: str
+    compression: str | None
+    priority: int | None
+
+
+def _destination(app: celery.Celery, route: dict[str, Any]) -> tuple[str, str, int, Queue | None]:
+    """Exchange, routing key, delivery mode and queue to declare of a routed task message:
+    the rules of Celery's ``send_task_message()``."""
+    amqp = app.amqp
+    queue = route.get("queue")
+    exchange = route.get("exchange")
+    routing_key = route.get("routing_key")
+    exchange_type = route.get("exchange_type")
+    delivery_mode = route.get("delivery_mode")
+    if isinstance(exchange, Exchange):
+        exchange_type = exchange_type or exchange.type
+        exchange = exchange.name
+    qname = queue
+    if queue is None and exchange is None:
+        queue = amqp.default_queue
+    if queue is not None:
+        if isinstance(queue, str):
+            qname, queue = queue, amqp.queues[queue]
+        else:
+            qname = queue.name
+    if delivery_mode is None:
+        delivery_mode = getattr(getattr(queue, "exchange", None), "delivery_mode", None)
+        delivery_mode = delivery_mode or app.conf.task_default_delivery_mode
+    if exchange_type is None:
+        exchange_type = getattr(getattr(queue, "exchange", None), "type", None) or "direct"
+    if (not exchange or not routing_key) and exchange_type == "direct":
+        exchange, routing_key = "", qname
+    elif exchange is None:
+        assert queue is not None  # no queue and no exchange: the default queue, above
+        exchange = queue.exchange.name or amqp.default_exchange.name
+        routing_key = routing_key or queue.routing_key or app.conf.task_default_routing_key
+    declare = queue if queue is not None and not isinstance(queue, Broadcast) else None
+    mode = DELIVERY_MODES.get(delivery_mode, delivery_mode)
+    return exchange or "", routing_key or "", int(mode or 2), declare
+
+
+def _task_body_json(event: OutboxEvent) -> bytes:
+    """The JSON body ``[[envelope], {}, embed]`` of :func:`encode_task_envelope`'s
+    envelope, with the payload as :func:`~django_outbox.message.encode_body` writes it."""
+    return b"".join(
+        (
+            b'[[{"event_id":',
+            json.dumps(event.event_id, ensure_ascii=False).encode(),
+            b',"event_type":',
+            json.dumps(event.event_type, ensure_ascii=False).encode(),
+            b',"payload":',
+            encode_body(event),
+            b',"headers":',
+            _HEADERS_ENCODER.encode(encode_headers(event)).encode(),
+            b"}],{},",
+            _EMBED_JSON,
+            b"]",
         )
+    )
 
-    def _send_message(self, event: OutboxEvent) -> None:
-        producer = self._producer
-        assert producer is not None
-        if not self._exchange_declared and self.exchange:
-            Exchange(
-                self.exchange, type=self.exchange_type, durable=True, passive=self.exchange_passive
-            )(producer.channel).declare()
-            self._exchange_declared = True
-        message_format = self.message_format
-        producer.publish(
-            message_format.encode_body(event),
-            exchange=self.exchange,
-            routing_key=self.routing_key(event),
-            content_type=message_format.content_type,
-            content_encoding="utf-8",
-            headers=message_format.encode_headers(event),
-            delivery_mode=2,
-            mandatory=True,
-            retry=False,
-            timeout=self.confirm_timeout,
-            confirm_timeout=self.confirm_timeout,
-            message_id=event.event_id,
-            type=event.event_type,
-            timestamp=int(event.occurred_at.timestamp()),
-        )
 
-    def _failure(self, event: OutboxEvent, exc: Exception) -> PublishResult:
-        # send_task() wraps transport errors in kombu's OperationalError.
-        cause = exc.__cause__ if isinstance(exc, OperationalError) and exc.__cause__ else exc
-        connection = self._connection
-        if isinstance(cause, MessageNacked):
-            return PublishResult.failed(Reason.NACKED, "RabbitMQ refused the message (basic.nack)")
-        if isinstance(cause, socket.timeout | TimeoutError):
-            self._release(graceful=False)
-            return PublishResult.failed(
-                Reason.TIMEOUT,
-                f"no publisher confirm from RabbitMQ within {self.confirm_timeout:g} s "
-                "(OUTBOX_CONFIRM_TIMEOUT)",
-            )
-        if connection is not None and (
-            isinstance(cause, connection.connection_errors) or isinstance(exc, OperationalError)
-        ):
-            self._release(graceful=False)
-            logger.warning("connection to the Celery broker lost: %s", describe_error(cause))
-            return PublishResult.failed(
-                Reason.CONNECTION_LOST, f"connection lost: {describe_error(cause)}"
-            )
-        if connection is not None and isinstance(cause, connection.channel_errors):
-            # py-amqp reopens a channel the broker closed; otherwise open a new one.
-            self._exchange_declared = False
-            if not (self._channel is not None and self._channel.is_open):
-                try:
-                    self._new_channel()
-                except Exception:
-                    self._release(graceful=False)
-            return PublishResult.failed(Reason.ERROR, f"channel error: {describe_error(cause)}")
-        if isinstance(cause, TypeError | ValueError):
-            return PublishResult.failed(
-                Reason.SERIALISATION,
-                f"cannot build the message: {type(cause).__name__}: {cause}",
-            )
-        logger.exception("publishing event %s through Celery failed", event.event_id)
-        # The channel's state is unknown: start the next message on a fresh one.
-        self._release(graceful=False)
-        return PublishResult.failed(Reason.ERROR, f"{type(cause).__name__}: {cause}")
+def _app_broker_urls(app: celery.Celery) -> list[str]:
+    """The app's broker URLs for writing, in its order (a list, or ``;`` between them)."""
+    value = app.conf.broker_write_url or app.conf.broker_url
+    if value:
+        return broker_urls(value)
+    return [app.connection_for_write().as_uri(include_password=True)]
+
+
+def _ssl_options(value: object, host: str) -> pika.SSLOptions:
+    """pika's TLS options for kombu's ``ssl`` (``broker_use_ssl``): ``True``, or a dict of
+    ``ssl.wrap_socket()`` arguments (``ca_certs``, ``certfile``, ``keyfile``,
+    ``cert_reqs``, ``server_hostname``) or with a ready ``context``."""
+    options = dict(value) if isinstance(value, dict) else {}
+    context = options.get("context")
+    if context is None:
+        context = ssl.create_default_context(cafile=options.get("ca_certs"))
+        if options.get("certfile"):
+            context.load_cert_chain(options["certfile"], options.get("keyfile"))
+        if options.get("cert_reqs") == ssl.CERT_NONE:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+    return pika.SSLOptions(context, options.get("server_hostname") or host)
 
 
 def _transport_name(app: celery.Celery) -> str:

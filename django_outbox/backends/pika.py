@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from ..models import OutboxEvent
 
-__all__ = ["PikaBackend", "mask_url"]
+__all__ = ["PikaBackend", "Unsendable", "mask_url"]
 
 logger = logging.getLogger("django_outbox.backends.pika")
 
@@ -58,6 +58,17 @@ CLOSE_TIMEOUT = 2.0
 # Messages written between two turns of the I/O loop while a batch is being sent: the
 # socket is written (and the broker starts confirming) before the whole batch is built.
 FLUSH_EVERY = 50
+
+
+class Unsendable(Exception):
+    """Raised by :meth:`PikaBackend._message` for a row that cannot be published: the row
+    gets ``result``; with ``rest`` (why), the rows after it in the batch are not written
+    and fail CONNECTION_LOST (the broker stopped answering: do not wait once per row)."""
+
+    def __init__(self, result: PublishResult, rest: str = "") -> None:
+        super().__init__(result.error)
+        self.result = result
+        self.rest = rest
 
 
 class PikaBackend(AmqpBackend):
@@ -71,6 +82,9 @@ class PikaBackend(AmqpBackend):
     the blocked-connection timeout); plus the base class's ``exchange``,
     ``routing_keys`` and ``routing_key_func``.
     """
+
+    #: Where the broker URLs come from, for the error that says what to check.
+    url_setting = "OUTBOX_BROKER_URL"
 
     def __init__(
         self,
@@ -145,9 +159,9 @@ class PikaBackend(AmqpBackend):
         return errors
 
     # -- connection ------------------------------------------------------------------------
-    def _parameters(self) -> pika.URLParameters:
+    def _parameters(self) -> pika.ConnectionParameters:
         """The current node's connection parameters; raises what pika raises for a bad URL."""
-        params = pika.URLParameters(self.nodes.current)
+        params = self._node_parameters()
         # One attempt, bounded: the relay does the retrying and the backoff sleeping.
         params.connection_attempts = 1
         params.retry_delay = 0
@@ -156,6 +170,11 @@ class PikaBackend(AmqpBackend):
         # Without it a connection blocked by a memory or disk alarm waits forever.
         params.blocked_connection_timeout = self.connect_timeout
         return params
+
+    def _node_parameters(self) -> pika.ConnectionParameters:
+        """Where and how to connect to the current node (host, credentials, vhost, TLS):
+        its URL. A subclass that takes its brokers from elsewhere builds them itself."""
+        return pika.URLParameters(self.nodes.current)
 
     def open(self) -> None:
         """Connect to the first broker node that answers, from the current one on, open a
@@ -192,10 +211,12 @@ class PikaBackend(AmqpBackend):
                 problem,
                 self.nodes.name(),
             )
-        where = "RabbitMQ at " if len(problems) == 1 else "any RabbitMQ node of OUTBOX_BROKER_URL: "
+        where = (
+            "RabbitMQ at " if len(problems) == 1 else f"any RabbitMQ node of {self.url_setting}: "
+        )
         raise BrokerUnavailable(
             f"cannot connect to {where}{'; '.join(problems)}. Check that the broker is running "
-            "and OUTBOX_BROKER_URL (host, port, vhost, credentials) is right; the relay "
+            f"and {self.url_setting} (host, port, vhost, credentials) is right; the relay "
             "retries with backoff."
         )
 
@@ -465,30 +486,21 @@ class PikaBackend(AmqpBackend):
         channel = self._channel
         connection = self._connection
         assert channel is not None and connection is not None
-        exchange = self.exchange
-        routing_key = self.routing_key
-        properties = spec.BasicProperties
+        build = self._message
         publish = channel.basic_publish
         results = batch.results
         events = batch.events
         append = batch.positions.append
         flush_every = FLUSH_EVERY
-        message_format = self.message_format
-        content_type = message_format.content_type
-        encode_body = message_format.encode_body
-        encode_headers = message_format.encode_headers
         for index, event in enumerate(events):
             try:
-                body = encode_body(event)
-                props = properties(
-                    content_type=content_type,
-                    delivery_mode=2,
-                    message_id=event.event_id,
-                    type=event.event_type,
-                    timestamp=int(event.occurred_at.timestamp()),
-                    headers=encode_headers(event),
-                )
-                key = routing_key(event)
+                exchange, key, body, props = build(event)
+            except Unsendable as exc:
+                results[index] = exc.result
+                if exc.rest:
+                    batch.fail_from(index + 1, Reason.CONNECTION_LOST, exc.rest)
+                    break
+                continue
             except Exception as exc:
                 results[index] = PublishResult.failed(
                     Reason.SERIALISATION, f"cannot build the message: {type(exc).__name__}: {exc}"
@@ -517,6 +529,22 @@ class PikaBackend(AmqpBackend):
                 if batch.lost:
                     batch.fail_from(index + 1, Reason.CONNECTION_LOST, batch.lost)
                     break
+
+    def _message(self, event: OutboxEvent) -> tuple[str, str, bytes, spec.BasicProperties]:
+        """The exchange, routing key, body and properties ``event`` is published with; a
+        subclass may publish other messages (the Celery backend: task messages). Raise
+        :class:`Unsendable` to fail the row (and possibly the rest of the batch) with a
+        reason of its own; any other exception fails the row as SERIALISATION."""
+        message_format = self.message_format
+        properties = spec.BasicProperties(
+            content_type=message_format.content_type,
+            delivery_mode=2,
+            message_id=event.event_id,
+            type=event.event_type,
+            timestamp=int(event.occurred_at.timestamp()),
+            headers=message_format.encode_headers(event),
+        )
+        return self.exchange, self.routing_key(event), message_format.encode_body(event), properties
 
     def _connection_lost(self, reason: str) -> None:
         for batch in self._inflight:
