@@ -195,6 +195,25 @@ def test_a_router_function_is_asked_for_every_message(broker):
 
 
 @pytest.mark.once
+def test_a_task_routed_to_a_queue_the_app_does_not_know_fails_alone(broker):
+    queue = task_queue(broker)
+    app = make_app(
+        broker.url,
+        queue,
+        task_create_missing_queues=False,
+        task_routes={"tests.celery.nowhere": {"queue": "not-in-task-queues"}},
+    )
+    rows = [*wire_rows(1, event_type="NOWHERE"), *wire_rows(1, start=2)]
+    tasks = {"NOWHERE": "tests.celery.nowhere", "ORDER_CREATED": TASK}
+    with backend_for(broker, app, tasks=tasks) as backend:
+        results = backend.publish(rows)
+    assert results[0].reason is Reason.ERROR
+    assert "cannot route task 'tests.celery.nowhere'" in results[0].error
+    assert "not-in-task-queues" in results[0].error
+    assert results[1].ok
+
+
+@pytest.mark.once
 def test_unroutable_and_nacked_fail_per_event_and_the_rest_is_confirmed(broker):
     broker.declare_queue("ORDER_CREATED")
     full = broker.declare_queue(

@@ -237,7 +237,14 @@ class CeleryBackend(PikaBackend):
         route = self._routes.get(name)
         if route is None:
             args = [encode_task_envelope(event)]
-            route = self._route(name, args)
+            try:
+                route = self._route(name, args)
+            except Exception as exc:  # QueueNotFound, a router function's own error
+                raise Unsendable(
+                    PublishResult.failed(
+                        Reason.ERROR, f"cannot route task {name!r}: {describe_error(exc)}"
+                    )
+                ) from exc
         self._declare(route.queue, route.exchange)
         # What worker logs and monitors show instead of the payload: no personal data in
         # logs, and no repr of a large payload per message.
