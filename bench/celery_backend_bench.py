@@ -109,13 +109,18 @@ def main() -> None:
     args = p.parse_args()
     setup_django()
     count, size = count_from(args), args.batch_size
-    # PikaBackend and the Celery backend take turns within each repeat, so a shared
+    # PikaBackend and the Celery backend take turns within each repeat, in the opposite
+    # order every other repeat (whichever ran first was measured faster), so a shared
     # machine's load moves the baseline and the ratio together; the best of each is kept.
-    runs: dict[str, list[float]] = {"pika": [], "plain": [], "tasks": []}
-    for _ in range(max(1, args.repeat)):
-        runs["pika"].append(backend_rate(count, url=args.url, batch_size=size))
-        runs["plain"].append(celery_rate(count, url=args.url, batch_size=size, tasks=False))
-        runs["tasks"].append(celery_rate(count, url=args.url, batch_size=size, tasks=True))
+    measure = {
+        "pika": lambda: backend_rate(count, url=args.url, batch_size=size),
+        "plain": lambda: celery_rate(count, url=args.url, batch_size=size, tasks=False),
+        "tasks": lambda: celery_rate(count, url=args.url, batch_size=size, tasks=True),
+    }
+    runs: dict[str, list[float]] = {key: [] for key in measure}
+    for repeat in range(max(1, args.repeat)):
+        for key in list(measure)[:: -1 if repeat % 2 else 1]:
+            runs[key].append(measure[key]())
     baseline = max(runs["pika"])
     report(f"PikaBackend, batches of {size} = baseline", baseline, count=count)
     kombu = best_of(args.repeat, lambda: raw_kombu_rate(count, url=args.url))
@@ -124,6 +129,7 @@ def main() -> None:
         rate = max(runs[key])
         report(f"CeleryBackend, {name}", rate, baseline=baseline, count=count)
         print(f"{'':<40}  ratio to raw kombu with confirms: {rate / kombu:5.2f}")
+
 
 if __name__ == "__main__":
     main()
