@@ -5,7 +5,7 @@ messages and as task messages, and prints events/s with the ratio to PikaBackend
 with the same batches (the baseline: pipelined confirms, which the Celery backend now
 writes through too) and to raw kombu publishing one message at a time with
 ``confirm_publish`` (what any Celery producer with confirms costs: py-amqp waits for each
-confirm before the next message; the Celery backend published that way before 0.x).
+confirm before the next message, as the Celery backend used to publish).
 
     python -m bench.celery_backend_bench [--smoke] [--count 5000] [--batch-size 100]
         [--repeat 3]
