@@ -138,7 +138,7 @@ CELERY_BROKER_URL = (
     env.str("CELERY_BROKER_URL", default="") or AMQP_URL or "amqp://guest:guest@127.0.0.1:5672//"
 )
 # Publisher confirms for everything the app sends (task retries included); the outbox's
-# Celery backend turns them on for its own connection regardless.
+# Celery backend publishes on a confirm-mode connection of its own regardless.
 CELERY_BROKER_TRANSPORT_OPTIONS = {"confirm_publish": True}
 CELERY_TASK_DEFAULT_QUEUE = env.str("CELERY_TASK_DEFAULT_QUEUE", default="celery")
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
