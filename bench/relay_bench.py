@@ -4,7 +4,8 @@ One run measures, on its own database (created on the server, dropped afterwards
 own exchange and queue (deleted afterwards):
 
 1. the baseline: raw pika publishing the same messages with pipelined confirms, no
-   database (``bench.raw_pika``);
+   database (``bench.raw_pika``), once just before the drain and once just after; the
+   baseline is their mean;
 2. drain: a ``manage.py publish_outbox`` child process, already running and connected,
    is paused (``SIGSTOP``) while ``--count`` events are committed through ``emit()``, then
    resumed: events/s from ``SIGCONT`` to the last row's ``sent_at``, and the ratio to (1),
@@ -557,7 +558,7 @@ def main() -> None:
                 clear_outbox(args.url, exchange)
                 baseline_cpu = CpuMeter({"publisher": [os.getpid()], "broker": BROKER_PROCESS})
                 baseline_cpu.start()
-                baseline = raw_pika_rate(count, url=args.url)
+                before = raw_pika_rate(count, url=args.url)
                 baseline_cpu.stop()
                 drain_cpu = CpuMeter(
                     {
@@ -568,6 +569,11 @@ def main() -> None:
                 )
                 writes = (WriteMeter(), WriteMeter())
                 drain = measure_drain(relay, count, drain_cpu, writes)
+                # The broker's speed drifts within a run (its queue, the disk, the other
+                # process on the core): the baseline is the mean of one raw run just before
+                # the drain and one just after, so a drift moves both sides of the ratio.
+                after = raw_pika_rate(count, url=args.url)
+                baseline = (before + after) / 2
                 clear_outbox(args.url, exchange)
                 latency = measure_latency(relay, args.rate, seconds, args.producers)
                 baselines.append(baseline)
@@ -576,6 +582,7 @@ def main() -> None:
                 latencies.append(latency)
                 print(f"-- run {run}")
                 report("raw pika (window 1000) = baseline", baseline, count=count)
+                print(f"  (raw pika before the drain {before:,.0f}/s, after it {after:,.0f}/s)")
                 report(
                     "publish_outbox drain",
                     drain,
