@@ -321,7 +321,8 @@ class WriteMeter:
     PostgreSQL: row versions written (inserts, updates and how many were HOT: a HOT update
     adds no index entry), index pages grown, and the WAL (bytes, records, full-page images;
     server-wide, ``pg_stat_wal``, so the bench's database should be the only busy one).
-    MariaDB: the redo log written (``Innodb_os_log_written``, server-wide) and rows changed.
+    MariaDB: the redo log written (``Innodb_lsn_current``) and rows written (``Handler_*``),
+    both server-wide.
     Each backend flushes its statistics a while after it goes idle (seen: over a second),
     so ``stop()`` waits until they stop changing.
     """
@@ -371,7 +372,7 @@ class WriteMeter:
                 }
             cursor.execute(
                 "SHOW GLOBAL STATUS WHERE Variable_name IN "
-                "('Innodb_os_log_written', 'Innodb_rows_updated', 'Innodb_rows_inserted')"
+                "('Innodb_lsn_current', 'Handler_update', 'Handler_write')"
             )
             return {name: float(value) for name, value in cursor.fetchall()}
 
@@ -400,10 +401,11 @@ class WriteMeter:
                 f"{d['index_bytes']:,.0f} B, WAL {d['wal_bytes']:,.0f} B in "
                 f"{d['wal_records']:.1f} records ({d['wal_fpi']:.2f} full-page images)"
             )
-        if "Innodb_os_log_written" in d:
+        if "Innodb_lsn_current" in d:
             return (
-                f"rows written {d['Innodb_rows_inserted'] + d['Innodb_rows_updated']:.2f}, "
-                f"redo log {d['Innodb_os_log_written']:,.0f} B"
+                f"rows written {d['Handler_write'] + d['Handler_update']:.2f} "
+                f"({d['Handler_write']:.2f} inserts, {d['Handler_update']:.2f} updates), "
+                f"redo log {d['Innodb_lsn_current']:,.0f} B"
             )
         return "n/a"
 
