@@ -564,3 +564,28 @@ def test_releasing_a_batch_another_relay_took_over_changes_nothing_and_says_so(c
     assert "3 of 3 events being released had been taken over by another relay" in caplog.text
     assert batch.stage is Stage.RELEASED
     assert relay.release(batch) == 0  # once released, a batch holds nothing
+
+
+def test_after_a_pass_that_found_events_the_relay_looks_again_sooner():
+    """Polling (MySQL/MariaDB, SQLite): events that keep coming wait a tenth of the poll
+    interval, not all of it; an idle relay still sleeps the whole interval."""
+    from django_outbox.relay.wake import Waker
+
+    class Recording(Waker):
+        def __init__(self, stop: threading.Event) -> None:
+            super().__init__(stop)
+            self.waits: list[float] = []
+
+        def wait(self, timeout: float) -> None:
+            self.waits.append(timeout)
+            if len(self.waits) == 1:
+                emit_many(1)  # one more event arrives while the relay sleeps
+            elif len(self.waits) == 3:
+                self.stop.set()
+
+    emit_many(3)
+    stop = threading.Event()
+    waker = Recording(stop)
+    total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
+    assert total.sent == 4
+    assert waker.waits == [pytest.approx(0.2), pytest.approx(0.2), 2.0]
