@@ -175,6 +175,11 @@ class OutboxSettings:
         "block",
         "Ordered mode: a DEAD event's successors 'block' until it is requeued, or 'skip' it.",
     )
+    ORDERED_RUN: Setting[int] = Setting(
+        100,
+        "Ordered mode: most events of one aggregate a relay claims at once and publishes one "
+        "after another, each after the previous one's confirm (1 = its head only).",
+    )
 
     # --- the message format (django_outbox.formats) --------------------------------------
     MESSAGE_FORMAT: Setting[str] = Setting(

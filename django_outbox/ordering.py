@@ -150,6 +150,67 @@ def heads_only(
     return queryset.filter(~q | Q(id__in=heads(base, ordered, policy)))
 
 
+AggregateKey = tuple[str, str]
+
+
+def current_run() -> int:
+    """``OUTBOX_ORDERED_RUN``: the most events of one aggregate one claim takes (>= 1)."""
+    return max(1, int(outbox_settings.ORDERED_RUN))
+
+
+def key_of(event: Any) -> AggregateKey:
+    return (event.aggregate_type, event.aggregate_id)
+
+
+def followers(
+    base: OutboxEventQuerySet,
+    claimed_heads: Sequence[Any],
+    ordered: Ordered,
+    policy: str | None,
+    limit: int,
+) -> dict[AggregateKey, list[int]]:
+    """The PENDING ordered rows behind each of ``claimed_heads`` (rows just claimed, and
+    leased, as their aggregate's head), in ``id`` order, at most ``limit`` in all, for
+    :meth:`OutboxEventQuerySet.claim` to take with them as *runs*.
+
+    An aggregate's list stops before its first DEAD row when DEAD heads block: that row
+    would be the head once the run is SENT, and nothing behind it may go first. Whether
+    each row is due, and free to lock, is for the caller to check in its locking read
+    (a run is cut at its first row that is not). Non-locking reads: two short statements
+    on the ``(aggregate_type, aggregate_id, status, id)`` index (``agg_head_idx``).
+    """
+    q = ordered_q(ordered)
+    if q is None or not claimed_heads or limit <= 0:
+        return {}
+    behind = Q()
+    for head in claimed_heads:
+        behind |= Q(
+            aggregate_type=head.aggregate_type, aggregate_id=head.aggregate_id, id__gt=head.pk
+        )
+    rows = (
+        base.filter(behind, status=Status.PENDING)
+        .filter(q)
+        .order_by("id")
+        .values_list("id", "aggregate_type", "aggregate_id")[:limit]
+    )
+    found: dict[AggregateKey, list[int]] = {}
+    for pk, aggregate_type, aggregate_id in rows:
+        found.setdefault((aggregate_type, aggregate_id), []).append(pk)
+    if found and Status.DEAD in blocking_statuses(policy):
+        first_dead = (
+            base.filter(behind, status=Status.DEAD)
+            .filter(q)
+            .order_by()
+            .values_list("aggregate_type", "aggregate_id")
+            .annotate(first=Min("id"))
+        )
+        for aggregate_type, aggregate_id, first in first_dead:
+            ids = found.get((aggregate_type, aggregate_id))
+            if ids:
+                found[(aggregate_type, aggregate_id)] = [pk for pk in ids if pk < first]
+    return found
+
+
 def dead_head_note(event: Any) -> str:
     """What a DEAD ordered row means for its aggregate, for the dead-letter alert."""
     if not is_ordered(event):

@@ -289,6 +289,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         token: str | None = None,
         ordered: bool | Sequence[str] | None = None,
         dead_head: str | None = None,
+        run: int = 1,
     ) -> tuple[str, list[OutboxEvent]]:
         """Lease up to ``limit`` rows of this queryset, oldest first, for one relay pass.
 
@@ -309,6 +310,11 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         so a successor is never claimed while its predecessor is PENDING (leased, in
         backoff) or DEAD. A second statement reads each claimed head's
         ``previous_sequence`` for the consumers. Unordered rows skip both.
+
+        ``run`` > 1 (the relay passes ``OUTBOX_ORDERED_RUN``): while the heads leave room
+        in the batch, each claimed head brings up to ``run - 1`` of its aggregate's next
+        events, leased under the same token (see :meth:`_claim_runs`). The relay publishes
+        such a *follower* only after its predecessor's confirm (``run_follows``).
         """
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered
@@ -330,6 +336,10 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
                     )
             if rows and ordered:
                 self._previous_sequences(rows, ordered)
+                if run > 1 and len(rows) < limit:
+                    rows = self._claim_runs(
+                        rows, limit - len(rows), run, lease_seconds, token, ordered, dead_head
+                    )
         for row in rows:
             row.lease_token = token
         return token, rows
@@ -398,6 +408,65 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             cursor.execute(sql, params)
             records = cursor.fetchall()
         return build_rows(self.model, self.db, CLAIM_FIELDS, records)
+
+    def _claim_runs(
+        self,
+        rows: list[OutboxEvent],
+        room: int,
+        run: int,
+        lease_seconds: float,
+        token: str,
+        ordered: bool | Sequence[str],
+        dead_head: str | None,
+    ) -> list[OutboxEvent]:
+        """``rows`` (just claimed, in this transaction) with up to ``run - 1`` *followers*
+        per claimed ordered head, ``room`` in all, leased under the same ``token``.
+
+        A follower is the head's aggregate's next PENDING ordered row (then the one after
+        it, ...), in this queryset (due, and stale for the compensator) and not locked by
+        anyone else: a run is cut at its first row that is not, or before a DEAD row that
+        blocks, so a run is always the unbroken start of its aggregate's queue. Holding the
+        head leased already keeps every other relay off the followers (they are not heads
+        while it is PENDING); their own lease keeps them so once it is SENT, until the run
+        is settled. Each follower gets ``run_follows`` (the id of the row before it in the
+        run, which the relay must have seen confirmed first) and, as ``previous_sequence``,
+        that same id: it is SENT by the time consumers see the follower.
+        """
+        heads = [row for row in rows if ordering.is_ordered(row, ordered)]
+        base = self.model._default_manager.using(self.db).all()
+        wanted = ordering.followers(base, heads, ordered, dead_head, room)
+        if not wanted:
+            return rows
+        every = [pk for ids in wanted.values() for pk in ids[: run - 1]]
+        query = (
+            self.with_ids(every)
+            .select_for_update(skip_locked=True)
+            .order_by("id")
+            .values_list(*CLAIM_FIELDS)
+            .query
+        )
+        free = {
+            row.pk: row for row in self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
+        }
+        taken: list[OutboxEvent] = []
+        for head in heads:
+            before = head.pk
+            for pk in wanted.get(ordering.key_of(head), [])[: run - 1]:
+                row = free.get(pk)
+                if row is None:  # not due, or locked: the run ends before it
+                    break
+                row.run_follows = before  # type: ignore[attr-defined]
+                row.previous_sequence = before  # type: ignore[attr-defined]
+                taken.append(row)
+                before = pk
+        if not taken:
+            return rows
+        self.model._default_manager.using(self.db).with_ids([row.pk for row in taken]).update(
+            next_retry_time=DbNow() + _seconds(lease_seconds),
+            lease_token=token,
+            updated_at=DbNow(),
+        )
+        return sorted([*rows, *taken], key=lambda row: row.pk)
 
     def _previous_sequences(self, rows: list[OutboxEvent], ordered: bool | Sequence[str]) -> None:
         """Set ``previous_sequence`` on the claimed ordered heads (the relay sends it).

@@ -26,13 +26,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from django.db import connections, transaction
 
-from .. import metrics, tracing
+from .. import metrics, ordering, tracing
 from ..backends import get_backend
 from ..backends.base import BaseBackend, BrokerUnavailable, PublishResult, Reason
 from ..conf import outbox_settings
@@ -42,7 +43,7 @@ from ..models import OutboxEvent, Status, outbox_db
 from ..querysets import OutboxEventQuerySet
 from ..retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 from ..worker import Backoff, Heartbeat, keep_running
-from .batch import Batch, BrokerOutage, PassResult, Stage
+from .batch import HELD_BACK, Batch, BrokerOutage, PassResult, Stage
 from .lanes import INLINE, Lanes, ThreadLanes
 from .pipeline import Pipeline
 from .wake import Waker, make_waker
@@ -112,6 +113,10 @@ class Relay:
         self.pass_limit = pass_limit  # run_once()'s max_events when it is given none
         self._opened = False
         self._run_lanes: ThreadLanes | None = None  # run()'s, for all its drains
+        # What the backend has been sent and not yet waited for, oldest first (its wait()
+        # answers in this order): a batch, and which of its rows (None: all of them). A
+        # batch with ordered runs is sent in several parts, interleaved with other batches.
+        self._outstanding: deque[tuple[Batch, list[int] | None]] = deque()
 
     @classmethod
     def compensator(
@@ -143,21 +148,46 @@ class Relay:
     # -- the steps of a batch ----------------------------------------------------------------
     def claim(self, limit: int) -> Batch:
         """Lease up to ``limit`` rows of the source, oldest first."""
-        token, rows = self.source(self.queryset()).claim(limit, lease_seconds=self.lease_seconds)
+        token, rows = self.source(self.queryset()).claim(
+            limit, lease_seconds=self.lease_seconds, run=ordering.current_run()
+        )
         return Batch(token, rows, limit, time.monotonic())
 
     def send(self, batch: Batch) -> Batch:
         """Hand the batch to the backend; its results are collected later."""
         batch.stage = Stage.SENT
         batch.spans = tracing.start_publish(batch.rows, self.backend)
-        batch.results = self._call_backend(batch, self._send_rows, batch.rows)
+        first = batch.plan_runs()
+        if first is None:
+            batch.results = self._call_backend(batch, self._send_rows, batch.rows)
+            if batch.results is None:
+                self._outstanding.append((batch, None))
+        else:
+            self._send_part(batch, first, first=True)
         return batch
 
     def collect(self, batch: Batch) -> Batch:
-        """Wait for the batch's results from the backend: one per row."""
+        """Wait for the batch's results from the backend: one per row.
+
+        The backend answers for what it was sent in order, so the parts sent before this
+        batch's (or between two parts of it, for a batch with ordered runs) are taken
+        first and kept on their batches. A confirm in a run sends the run's next event at
+        once (:meth:`_send_part`), so runs move on while other batches are waited for.
+        """
+        while batch.results is None and self._outstanding:
+            owner, indices = self._outstanding.popleft()
+            if indices is None:
+                owner.take(None, self._call_backend(owner, self.backend.wait) or [])
+                continue
+            following = owner.take(indices, self._wait_part(owner, indices))
+            if following and not self.lease_covers_a_send(owner):
+                # Too little lease left for another confirm wait: the rest of each run is
+                # given back, to be claimed again (with its head) by this relay or another.
+                owner.resolve(following, HELD_BACK)
+            elif following:
+                self._send_part(owner, following)
         if batch.results is None:
-            batch.results = self._call_backend(batch, self.backend.wait)
-        assert batch.results is not None
+            raise RuntimeError("collect() of a batch that is not in flight")
         if len(batch.results) != len(batch.rows):
             raise RuntimeError(
                 f"{type(self.backend).__name__} returned {len(batch.results)} results for "
@@ -359,8 +389,11 @@ class Relay:
         failed = [
             (row, res)
             for row, res in zip(rows, results, strict=True)
-            if not res.ok and not (res.reason is not None and res.reason.is_connection_level)
+            if not res.ok
+            and res is not HELD_BACK
+            and not (res.reason is not None and res.reason.is_connection_level)
         ]
+        held = [row.pk for row, res in zip(rows, results, strict=True) if res is HELD_BACK]
         result = PassResult(found=len(rows))
         events = self.queryset()
         with transaction.atomic(using=self.using):
@@ -385,6 +418,10 @@ class Relay:
                 result.released = events.release(
                     token, [r.pk for r, _ in lost], f"connection lost: {lost[0][1].error}"
                 )
+            if held:
+                # Not attempted: due again at once, behind the failed event (or the head
+                # that is claimed again with them), last_error kept.
+                result.held_back = events.release(token, held)
             taken = len(failed) - result.failed + len(lost) - result.released
             if taken:
                 logger.warning(
@@ -419,6 +456,53 @@ class Relay:
         self._ensure_open()
         self.backend.send(rows)
 
+    def _send_part(self, batch: Batch, indices: list[int], *, first: bool = False) -> None:
+        """Send the rows ``indices`` of a batch with ordered runs (one wave of it)."""
+        try:
+            self._send_rows([batch.rows[index] for index in indices])
+        except BrokerUnavailable as exc:
+            if first:  # nothing of the batch is out: give it all back, as for a whole batch
+                self.release(batch, f"broker unavailable: {exc}")
+                raise BrokerOutage(str(exc)) from exc
+            batch.resolve(
+                indices,
+                PublishResult.failed(Reason.CONNECTION_LOST, f"broker unavailable: {exc}"),
+            )
+            return
+        except Exception as exc:
+            logger.error(
+                "[%s] backend raised while publishing %d events",
+                self.job,
+                len(indices),
+                exc_info=exc,
+            )
+            batch.resolve(indices, PublishResult.failed(Reason.ERROR, error_text(exc)))
+            return
+        self._outstanding.append((batch, indices))
+
+    def _wait_part(self, batch: Batch, indices: list[int]) -> list[PublishResult]:
+        """The backend's results for the part ``indices`` of ``batch``, the oldest part it
+        has (see :meth:`collect`); an error fails those rows (and holds back their runs)."""
+        try:
+            return self.backend.wait()
+        except BrokerUnavailable as exc:
+            return [
+                PublishResult.failed(Reason.CONNECTION_LOST, f"broker unavailable: {exc}")
+            ] * len(indices)
+        except Exception as exc:
+            logger.error(
+                "[%s] backend raised while waiting for %d events",
+                self.job,
+                len(indices),
+                exc_info=exc,
+            )
+            return [PublishResult.failed(Reason.ERROR, error_text(exc))] * len(indices)
+
+    def abandon(self) -> None:
+        """Forget every batch sent and not collected (the backend's :meth:`abandon`)."""
+        self._outstanding.clear()
+        self.backend.abandon()
+
     def _call_backend(
         self, batch: Batch, call: Callable[..., list[PublishResult] | None], *args: Any
     ) -> list[PublishResult] | None:
@@ -447,6 +531,7 @@ class Relay:
             self._opened = True
 
     def _close_backend(self) -> None:
+        self._outstanding.clear()  # a closed backend answers for none of it
         if self._opened:
             self._opened = False
             try:

@@ -87,10 +87,14 @@ class Pipeline:
             batch = self.fresh(batch)
             if not batch.rows:
                 return
-            if batch.full:  # more may be due: claim the next while this one is out
+            # More may be due: claim the next while this one is out. Not after a batch
+            # with ordered runs: its claim took every head there was, and the next events
+            # of its aggregates wait for it to be settled (after_the_last claims them).
+            more = batch.full and not batch.has_runs
+            if more:
                 self.ahead = self.lanes.claim(self.claim)
             self.in_flight.append(self.relay.send(batch))
-            if not batch.full:
+            if not more:
                 return
 
     def after_the_last(self) -> bool:
@@ -162,7 +166,7 @@ class Pipeline:
             # Stopped on an error with batches written and not collected: the backend
             # forgets them and their rows are due again at once (published again, once more
             # if the broker had them: an error allows duplicates, never loss).
-            self.relay.backend.abandon()
+            self.relay.abandon()
             for batch in self.in_flight:
                 self.relay.release(batch)
             self.in_flight.clear()
