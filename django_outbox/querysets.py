@@ -290,6 +290,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         ordered: bool | Sequence[str] | None = None,
         dead_head: str | None = None,
         run: int = 1,
+        after: Sequence[OutboxEvent] = (),
     ) -> tuple[str, list[OutboxEvent]]:
         """Lease up to ``limit`` rows of this queryset, oldest first, for one relay pass.
 
@@ -315,6 +316,9 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         in the batch, each claimed head brings up to ``run - 1`` of its aggregate's next
         events, leased under the same token (see :meth:`_claim_runs`). The relay publishes
         such a *follower* only after its predecessor's confirm (``run_follows``).
+        ``after``: rows of an earlier claim that this relay has seen confirmed and not yet
+        settled (the last event of each run of its last batch); their aggregates' next
+        events are taken as runs too, as if they followed a head of this claim.
         """
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered
@@ -336,10 +340,10 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
                     )
             if rows and ordered:
                 self._previous_sequences(rows, ordered)
-                if run > 1 and len(rows) < limit:
-                    rows = self._claim_runs(
-                        rows, limit - len(rows), run, lease_seconds, token, ordered, dead_head
-                    )
+            if ordered and run > 1 and len(rows) < limit and (rows or after):
+                rows = self._claim_runs(
+                    rows, limit - len(rows), run, lease_seconds, token, ordered, dead_head, after
+                )
         for row in rows:
             row.lease_token = token
         return token, rows
@@ -418,9 +422,11 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         token: str,
         ordered: bool | Sequence[str],
         dead_head: str | None,
+        after: Sequence[OutboxEvent] = (),
     ) -> list[OutboxEvent]:
         """``rows`` (just claimed, in this transaction) with up to ``run - 1`` *followers*
-        per claimed ordered head, ``room`` in all, leased under the same ``token``.
+        per claimed ordered head, ``room`` in all, leased under the same ``token``; and up
+        to ``run`` behind each row of ``after`` whose aggregate has no head among ``rows``.
 
         A follower is the head's aggregate's next PENDING ordered row (then the one after
         it, ...), in this queryset (due, and stale for the compensator) and not locked by
@@ -431,13 +437,25 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         is settled. Each follower gets ``run_follows`` (the id of the row before it in the
         run, which the relay must have seen confirmed first) and, as ``previous_sequence``,
         that same id: it is SENT by the time consumers see the follower.
+
+        A row of ``after`` was confirmed by the broker already (its settle may still be on
+        the way: it is PENDING under this relay's lease, or SENT), so the rows behind it
+        may go out at once; no other relay can take them first, for the same reason as
+        behind a head. When its settle committed before this claim's heads were read, its
+        successor is a head of ``rows`` and its run is built from there instead.
         """
         heads = [row for row in rows if ordering.is_ordered(row, ordered)]
+        keys = {ordering.key_of(row) for row in heads}
+        starts = [(row, run - 1) for row in heads]
+        for row in after:
+            if ordering.key_of(row) not in keys and ordering.is_ordered(row, ordered):
+                keys.add(ordering.key_of(row))
+                starts.append((row, run))
         base = self.model._default_manager.using(self.db).all()
-        wanted = ordering.followers(base, heads, ordered, dead_head, room)
+        wanted = ordering.followers(base, [row for row, _ in starts], ordered, dead_head, room)
         if not wanted:
             return rows
-        every = [pk for ids in wanted.values() for pk in ids[: run - 1]]
+        every = [pk for row, cap in starts for pk in wanted.get(ordering.key_of(row), [])[:cap]]
         query = (
             self.with_ids(every)
             .select_for_update(skip_locked=True)
@@ -449,15 +467,15 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             row.pk: row for row in self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
         }
         taken: list[OutboxEvent] = []
-        for head in heads:
-            before = head.pk
-            for pk in wanted.get(ordering.key_of(head), [])[: run - 1]:
-                row = free.get(pk)
-                if row is None:  # not due, or locked: the run ends before it
+        for start, cap in starts:
+            before = start.pk
+            for pk in wanted.get(ordering.key_of(start), [])[:cap]:
+                follower = free.get(pk)
+                if follower is None:  # not due, or locked: the run ends before it
                     break
-                row.run_follows = before  # type: ignore[attr-defined]
-                row.previous_sequence = before  # type: ignore[attr-defined]
-                taken.append(row)
+                follower.run_follows = before  # type: ignore[attr-defined]
+                follower.previous_sequence = before  # type: ignore[attr-defined]
+                taken.append(follower)
                 before = pk
         if not taken:
             return rows

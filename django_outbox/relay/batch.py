@@ -51,6 +51,11 @@ class Batch:
     # its run, and the results known so far while the run's events go out one by one.
     next_in_run: dict[int, int] = field(default_factory=dict, repr=False)
     partial: list[PublishResult | None] | None = field(default=None, repr=False)
+    # Ids of rows of the batch before, that rows of this one were claimed behind (the
+    # claim's ``after``), and those of them the broker confirmed (set before the send):
+    # their followers go out in the first wave, those of the others are held back.
+    after: frozenset[int] = field(default=frozenset(), repr=False)
+    after_ok: frozenset[int] = field(default=frozenset(), repr=False)
 
     # -- ordered runs ------------------------------------------------------------------------
     def plan_runs(self) -> list[int] | None:
@@ -66,11 +71,11 @@ class Batch:
         orphans: list[int] = []
         for index, row in enumerate(self.rows):
             before = getattr(row, "run_follows", 0)
-            if not before:
+            if not before or before in self.after_ok:
                 firsts.append(index)
             elif before in position:
                 self.next_in_run[position[before]] = index
-            else:  # its predecessor is not in this batch: never sent ahead of it
+            else:  # its predecessor was not confirmed (or is not ours): not sent
                 orphans.append(index)
         if not self.next_in_run and not orphans:
             return None
@@ -133,6 +138,17 @@ class Batch:
     def full(self) -> bool:
         """As many rows as asked for: more may be due behind them."""
         return bool(self.rows) and len(self.rows) >= self.limit
+
+    def run_tails(self) -> list[OutboxEvent]:
+        """The last row of each ordered run of this batch (after :meth:`plan_runs`): the
+        rows the next claim continues from (``claim(after=)``) while this batch is out."""
+        followed = set(self.next_in_run.values())
+        return [
+            row
+            for index, row in enumerate(self.rows)
+            if index not in self.next_in_run
+            and (index in followed or bool(getattr(row, "run_follows", 0)))
+        ]
 
     @property
     def has_runs(self) -> bool:

@@ -146,12 +146,16 @@ class Relay:
         return OutboxEvent.objects.using(self.using).all()
 
     # -- the steps of a batch ----------------------------------------------------------------
-    def claim(self, limit: int) -> Batch:
-        """Lease up to ``limit`` rows of the source, oldest first."""
+    def claim(self, limit: int, after: Sequence[OutboxEvent] = ()) -> Batch:
+        """Lease up to ``limit`` rows of the source, oldest first; in ordered mode with the
+        runs behind ``after`` (confirmed rows of the last batch, see
+        :meth:`OutboxEventQuerySet.claim`)."""
         token, rows = self.source(self.queryset()).claim(
-            limit, lease_seconds=self.lease_seconds, run=ordering.current_run()
+            limit, lease_seconds=self.lease_seconds, run=ordering.current_run(), after=after
         )
-        return Batch(token, rows, limit, time.monotonic())
+        batch = Batch(token, rows, limit, time.monotonic())
+        batch.after = frozenset(row.pk for row in after)
+        return batch
 
     def send(self, batch: Batch) -> Batch:
         """Hand the batch to the backend; its results are collected later."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ from .batch import Batch, BrokerOutage, PassResult
 from .lanes import Lanes, done
 
 if TYPE_CHECKING:
+    from ..models import OutboxEvent
     from .engine import Relay
 
 logger = logging.getLogger("django_outbox.relay")
@@ -54,6 +55,9 @@ class Pipeline:
         self.ahead: Future[Batch] = done(Batch.empty())  # claimed, not sent yet
         self.in_flight: deque[Batch] = deque()  # sent, oldest first
         self.settling: Future[PassResult] | None = None  # the last batch collected
+        # Ids the broker confirmed in the last batch with ordered runs collected: the next
+        # batch, claimed behind its runs, sends only the followers of these.
+        self.confirmed: frozenset[int] = frozenset()
 
     def run(self) -> PassResult:
         self.ahead = self.lanes.claim(self.claim)
@@ -74,6 +78,12 @@ class Pipeline:
         if batch.connection_lost:
             self.settle_lost(batch)
             return True
+        if batch.has_runs:
+            self.confirmed = frozenset(
+                row.pk
+                for row, result in zip(batch.rows, batch.results or (), strict=True)
+                if result.ok
+            )
         self.settling = self.lanes.settle(self.relay.settle, batch)
         return True
 
@@ -84,18 +94,26 @@ class Pipeline:
             if batch.rows and self.should_stop():
                 self.ahead = done(batch)  # released on the way out
                 return
+            if batch.after and self.in_flight:
+                # Claimed behind runs still in flight: it goes out once they are collected,
+                # and only behind the events the broker confirmed.
+                self.ahead = done(batch)
+                return
             batch = self.fresh(batch)
             if not batch.rows:
                 return
-            # More may be due: claim the next while this one is out. Not after a batch
-            # with ordered runs: its claim took every head there was, and the next events
-            # of its aggregates wait for it to be settled (after_the_last claims them).
-            more = batch.full and not batch.has_runs
-            if more:
-                self.ahead = self.lanes.claim(self.claim)
+            batch.after_ok = batch.after & self.confirmed
             self.in_flight.append(self.relay.send(batch))
-            if not more:
+            if batch.has_runs:
+                # Ordered runs: claim what follows them (and the heads due meanwhile) while
+                # their events go out one by one, so the next batch is ready when they are
+                # confirmed: a hot aggregate does not wait for a settle and a claim.
+                self.ahead = self.lanes.claim(self.claim, batch.run_tails())
                 return
+            if not batch.full:
+                return
+            # More may be due: claim the next while this one is out.
+            self.ahead = self.lanes.claim(self.claim)
 
     def after_the_last(self) -> bool:
         """Nothing in flight: settle the last batch; True if the drain goes on."""
@@ -122,14 +140,14 @@ class Pipeline:
             raise outages[0]
 
     # -- claims ------------------------------------------------------------------------------
-    def claim(self) -> Batch:
+    def claim(self, after: Sequence[OutboxEvent] = ()) -> Batch:
         """The next batch, within max_events; runs on the claims lane."""
         limit = self.relay.batch_size
         if self.max_events is not None:
             limit = min(limit, self.max_events - self.claimed)
         if limit <= 0 or self.should_stop():
             return Batch.empty()
-        batch = self.relay.claim(limit)
+        batch = self.relay.claim(limit, after) if after else self.relay.claim(limit)
         self.claimed += len(batch.rows)
         return batch
 
