@@ -186,6 +186,7 @@ POSITIVE_SETTINGS: tuple[tuple[str, bool], ...] = (
     ("PURGE_BATCH_SIZE", True),
     ("MAX_PAYLOAD_BYTES", True),
     ("CONSUMER_PREFETCH", True),
+    ("ORDERED_RUN", True),
     ("POLL_INTERVAL", False),
     ("LEASE_SECONDS", False),
     ("CONFIRM_TIMEOUT", False),

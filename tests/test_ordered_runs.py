@@ -229,3 +229,13 @@ def test_a_run_whose_lease_runs_short_gives_the_rest_back():
     assert published() == ids(made[:3])  # the first wave, then two more
     assert (result.sent, result.held_back, result.failed) == (3, 2, 0)
     assert OutboxEvent.objects.filter(pk__in=ids(made[3:]), lease_token="").count() == 2
+
+
+@pytest.mark.parametrize("value", [0, 2.5, "10"])
+def test_ordered_run_must_be_a_positive_integer(settings, value):
+    from django_outbox.checks import check_positive_numbers
+
+    settings.OUTBOX_ORDERED_RUN = value
+    (error,) = check_positive_numbers()
+    assert error.id == "django_outbox.E007"
+    assert "OUTBOX_ORDERED_RUN" in error.msg
