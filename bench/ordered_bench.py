@@ -5,15 +5,17 @@ Two backlogs, each drained once unordered (the baseline) and once with ``OUTBOX_
 * many aggregates: 1,000 aggregates x 20 events, written round by round (every aggregate
   gets its n-th event before any gets its n+1-th, in a shuffled order), as live traffic
   interleaves them;
-* a hot aggregate: 1 aggregate x 5,000 events. Ordered, each batch can hold only its head,
-  so the rate is bounded by one claim-publish-confirm-settle round trip per event.
+* a hot aggregate: 1 aggregate x 5,000 events. Ordered, a batch holds the aggregate's head
+  and a run behind it (``OUTBOX_ORDERED_RUN``), published one event at a time, each after
+  the previous one's confirm: the rate is bounded by the broker's confirm round trip
+  (``--run 1``: heads only, one claim-publish-confirm-settle round trip per event).
 
 It runs in its own database (created next to ``DATABASE_URL``'s, migrated, dropped at the
 end) and its own exchange and queue (deleted at the end)::
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test python -m bench.ordered_bench
         [--smoke] [--aggregates 1000] [--events 20] [--hot 5000] [--batch-size 100]
-        [--repeat 1]
+        [--repeat 1] [--run 100]
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ def write_backlog(aggregates: int, events: int, seed: int = 9) -> int:
     return len(rows)
 
 
-def drain_rate(aggregates: int, events: int, *, ordered: bool, url: str, batch_size: int) -> float:
+def drain_rate(
+    aggregates: int, events: int, *, ordered: bool, url: str, batch_size: int, run: int = 100
+) -> float:
     """Events/s of one relay draining the backlog (writing it is not measured)."""
     from django.test.utils import override_settings
 
@@ -105,7 +109,7 @@ def drain_rate(aggregates: int, events: int, *, ordered: bool, url: str, batch_s
     count = write_backlog(aggregates, events)
     with (
         bench_exchange(url, prefix="bench.ordered") as exchange,
-        override_settings(OUTBOX_ORDERED=ordered),
+        override_settings(OUTBOX_ORDERED=ordered, OUTBOX_ORDERED_RUN=run),
     ):
         relay = Relay(backend=PikaBackend(broker_url=url, exchange=exchange), batch_size=batch_size)
         relay.backend.open()  # connecting is not what is measured
@@ -126,6 +130,9 @@ def main() -> None:
     p.add_argument("--events", type=int, default=20, help="events per aggregate")
     p.add_argument("--hot", type=int, default=5000, help="events of the hot aggregate")
     p.add_argument("--batch-size", type=int, default=100)
+    p.add_argument(
+        "--run", type=int, default=100, help="OUTBOX_ORDERED_RUN (1: heads only, as before runs)"
+    )
     args = p.parse_args()
     if args.smoke:
         args.aggregates, args.events, args.hot = (
@@ -136,7 +143,11 @@ def main() -> None:
     # A SIGTERM (e.g. `timeout`) still drops the database, the exchange and the queue.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     connection, old_name = setup_database()
-    print(f"database: {connection.vendor}, batch size {args.batch_size}", flush=True)
+    print(
+        f"database: {connection.vendor}, batch size {args.batch_size}, "
+        f"OUTBOX_ORDERED_RUN {args.run}",
+        flush=True,
+    )
     try:
         for label, aggregates, events in (
             (f"many aggregates ({args.aggregates} x {args.events})", args.aggregates, args.events),
@@ -147,7 +158,7 @@ def main() -> None:
                 ordered: best_of(
                     args.repeat,
                     lambda a=aggregates, e=events, o=ordered: drain_rate(
-                        a, e, ordered=o, url=args.url, batch_size=args.batch_size
+                        a, e, ordered=o, url=args.url, batch_size=args.batch_size, run=args.run
                     ),
                 )
                 for ordered in (False, True)
