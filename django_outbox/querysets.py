@@ -480,7 +480,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         if not taken:
             return rows
         self.model._default_manager.using(self.db).with_ids([row.pk for row in taken]).update(
-            next_retry_time=DbNow() + _seconds(lease_seconds),
+            leased_until=DbNow() + _seconds(lease_seconds),
             lease_token=token,
             updated_at=DbNow(),
         )
