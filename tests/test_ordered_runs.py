@@ -232,6 +232,22 @@ def test_a_run_whose_lease_runs_short_gives_the_rest_back():
     assert given_back.filter(leased_until__isnull=True).count() == 2
 
 
+def test_a_batch_claimed_behind_an_unconfirmed_event_is_given_back_unsent():
+    made = hot(4)
+    relay = make_relay(backend=Recording(), db_thread=False)
+    first = relay.claim(2)  # the head and one follower
+    assert ids(first.rows) == ids(made[:2])
+    behind = relay.claim(10, after=first.rows[-1:])
+    assert ids(behind.rows) == ids(made[2:])
+    # made[1] was not confirmed (failed, or its batch was lost): nothing behind it is sent.
+    behind.after_ok = frozenset()
+    relay.send(behind)
+    assert relay.backend.sends == []
+    result = relay.settle(relay.collect(behind))
+    assert (result.sent, result.held_back, result.failed) == (0, 2, 0)
+    assert locmem.outbox == []
+
+
 @pytest.mark.parametrize("value", [0, 2.5, "10"])
 def test_ordered_run_must_be_a_positive_integer(settings, value):
     from django_outbox.checks import check_positive_numbers

@@ -166,7 +166,7 @@ class Relay:
             batch.results = self._call_backend(batch, self._send_rows, batch.rows)
             if batch.results is None:
                 self._outstanding.append((batch, None))
-        else:
+        elif first:  # else every row waits behind an event that was not confirmed
             self._send_part(batch, first, first=True)
         return batch
 
