@@ -13,12 +13,13 @@ happens to this process afterwards.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -29,7 +30,7 @@ from django.db import IntegrityError, connections, models, transaction
 from django.utils import timezone
 
 from . import tracing
-from ._compat.django import innermost_atomic
+from ._compat.django import has_commit_hook, innermost_atomic, insert_rows
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
 from .message import is_reserved_header
@@ -382,7 +383,8 @@ def _check_unique(events: list[OutboxEvent]) -> None:
 
 
 def _insert(events: list[OutboxEvent], using: str) -> None:
-    """One INSERT for all events, plus a NOTIFY on PostgreSQL, in the current transaction."""
+    """One INSERT for all events in the current transaction; on PostgreSQL, a wake-up for
+    the relays once the transaction commits."""
     _check_unique(events)
     connection = connections[using]
     try:
@@ -392,7 +394,9 @@ def _insert(events: list[OutboxEvent], using: str) -> None:
         # database, hence the explicit mark. A caller who means to go on wraps the emit in
         # a savepoint (docs/writing-events.md, "Emitting idempotently").
         with transaction.mark_for_rollback_on_error(using):
-            OutboxEvent.objects.using(using).bulk_create(events)
+            # What bulk_create() writes, without its per-call work in Python, which cost
+            # more than the INSERT itself (docs/benchmarks.md, "What an event costs").
+            insert_rows(OutboxEvent, using, events)
     except IntegrityError as exc:
         if "event_id" in str(exc) or "django_outbox_event_id_uniq" in str(exc):
             ids = ", ".join(repr(e.event_id) for e in events)
@@ -404,9 +408,24 @@ def _insert(events: list[OutboxEvent], using: str) -> None:
             ) from exc
         raise
     if connection.vendor == "postgresql" and outbox_settings.NOTIFY:
-        with connection.cursor() as cursor:
-            # Delivered at commit (and dropped on rollback) by PostgreSQL itself.
-            cursor.execute("SELECT pg_notify(%s, '')", [outbox_settings.NOTIFY_CHANNEL])
+        # After the commit, from another connection: a NOTIFY in this transaction would
+        # serialise its commit with every other one that notifies (relay/wake.py).
+        hook = _wake_hook(using)
+        # Once per transaction however many emits it makes; a savepoint rolled back takes
+        # its hook along, and the next emit registers it again.
+        if not has_commit_hook(connection, hook):
+            transaction.on_commit(hook, using=using)
+
+
+@functools.cache
+def _wake_hook(using: str) -> Callable[[], None]:
+    """The ``on_commit`` hook that wakes the relays of database ``using``: one function per
+    alias, so a transaction registers it once."""
+    # Imported here, the first time a transaction on PostgreSQL emits: a process that only
+    # emits has no use for the relay's other modules.
+    from .relay.wake import request_wake
+
+    return functools.partial(request_wake, using)
 
 
 class Outbox:
