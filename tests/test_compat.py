@@ -32,7 +32,9 @@ from django_outbox._compat.django import (
     clear_errors,
     forget_connection,
     had_errors,
+    has_commit_hook,
     innermost_atomic,
+    insert_rows,
 )
 from django_outbox._compat.pika import CoalescingConnection, HandTurnedLoop
 from django_outbox.models import OutboxEvent
@@ -344,3 +346,71 @@ def test_innermost_atomic_is_the_block_entered_last() -> None:
         "transaction.Atomic.__enter__()/__exit__() (django/db/transaction.py)",
     )
     assert innermost_atomic(connections.create_connection(DEFAULT_DB_ALIAS)) is None
+
+
+def _events(prefix: str, count: int) -> list[OutboxEvent]:
+    return [
+        outbox.build_event(
+            "X",
+            payload={"n": i, "at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)},
+            aggregate_type="T",
+            aggregate_id=i,
+            event_id=f"{prefix}-{i}",
+            headers={"h": "v"},
+            occurred_at=datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc),
+            delay=5 if i % 2 else None,
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.django_db
+def test_insert_rows_writes_the_rows_bulk_create_writes() -> None:
+    ours, theirs = _events("ours", 3), _events("theirs", 3)
+    insert_rows(OutboxEvent, DEFAULT_DB_ALIAS, ours)
+    OutboxEvent.objects.bulk_create(theirs)
+    skip = {"id", "event_id", "next_retry_time", "due_at", "created_at", "updated_at"}
+    fields = [f.attname for f in OutboxEvent._meta.concrete_fields if f.attname not in skip]
+
+    def read(prefix: str) -> list[tuple[Any, ...]]:
+        rows = OutboxEvent.objects.filter(event_id__startswith=prefix).order_by("id")
+        return [
+            (
+                *(getattr(r, name) for name in fields),
+                r.due_at is None,
+                r.due_at == r.next_retry_time,
+            )
+            for r in rows
+        ]
+
+    django_requires(
+        read("ours") == read("theirs"),
+        "insert_rows() writes other values than bulk_create()",
+        "SQLInsertCompiler.as_sql() (django/db/models/sql/compiler.py), Field.pre_save()",
+    )
+    for event in ours:
+        assert not event._state.adding and event._state.db == DEFAULT_DB_ALIAS
+        if connection.features.can_return_rows_from_bulk_insert:
+            assert OutboxEvent.objects.get(pk=event.pk).event_id == event.event_id
+
+
+@pytest.mark.django_db
+def test_has_commit_hook_sees_the_hooks_of_open_savepoints_only() -> None:
+    def hook() -> None:
+        pass
+
+    with transaction.atomic():
+        assert not has_commit_hook(connection, hook)
+        try:
+            with transaction.atomic():
+                transaction.on_commit(hook)
+                inside = has_commit_hook(connection, hook)
+                raise RuntimeError
+        except RuntimeError:
+            pass
+        after_rollback = has_commit_hook(connection, hook)
+    django_requires(
+        inside and not after_rollback,
+        "connection.run_on_commit is not the list of (savepoint ids, function, robust)",
+        "BaseDatabaseWrapper.on_commit()/savepoint_rollback() (django/db/backends/base/base.py)",
+    )

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 
 import pytest
@@ -21,6 +24,7 @@ from django_outbox.exceptions import (
 )
 from django_outbox.message import is_reserved_header
 from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay.wake import PostgresNotifyWaker
 from orders.models import Order
 from orders.services import create_order
 from tests.testapp.models import Widget
@@ -294,12 +298,123 @@ def test_duplicate_event_id_across_transactions_rolls_back_the_second():
     assert OutboxEvent.objects.count() == 1
 
 
-def test_notify_is_sent_on_postgresql(db_vendor):
+# -- the relays' wake-up (PostgreSQL) ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def listening(db_vendor: str) -> Iterator[Callable[[float], bool]]:
+    """LISTEN on the outbox channel as a relay does; yields ``received(timeout)``."""
     if db_vendor != "postgresql":
         pytest.skip("LISTEN/NOTIFY is PostgreSQL only")
+    waker = PostgresNotifyWaker(threading.Event(), "default", "django_outbox")
+    raw = waker._listen()
+    try:
+        yield lambda timeout: waker._received(raw, timeout)
+    finally:
+        waker.close()
+
+
+def test_a_commit_that_emitted_wakes_the_relays_after_it_and_issues_no_notify_in_it(db_vendor):
+    with listening(db_vendor) as received:
+        with CaptureQueriesContext(connection) as queries, transaction.atomic():
+            outbox.emit("X", payload={})
+            outbox.emit("X", payload={})
+            # Nothing inside the transaction: NOTIFY there would serialise its commit
+            # with every other notifying one.
+            assert not received(0.1)
+        assert not any("notify" in q["sql"].lower() for q in queries.captured_queries)
+        assert received(5)
+        assert not received(0.2)  # one wake-up for the transaction's two events
+
+
+def test_a_rolled_back_transaction_wakes_no_one(db_vendor):
+    with listening(db_vendor) as received:
+        with contextlib.suppress(Boom), outbox.atomic() as box:
+            box.emit("X", payload={})
+            box.flush()
+            raise Boom
+        assert not received(0.3)
+        with outbox.atomic() as box:  # a savepoint rolled back does not cancel the rest
+            box.emit("X", payload={})
+            with contextlib.suppress(Boom), transaction.atomic():
+                outbox.emit("Y", payload={})
+                raise Boom
+        assert received(5)
+
+
+def test_notify_off_wakes_no_one(db_vendor, settings):
+    settings.OUTBOX_NOTIFY = False
+    with listening(db_vendor) as received:
+        with outbox.atomic() as box:
+            box.emit("X", payload={})
+        assert not received(0.3)
+
+
+def test_commits_close_together_share_wake_ups_and_the_last_is_never_dropped(db_vendor):
+    with listening(db_vendor) as received:
+        for _ in range(20):
+            with outbox.atomic() as box:
+                box.emit("X", payload={})
+        wake_ups = 0
+        while received(0.5):
+            wake_ups += 1
+        # At most one per Notifier.SPACING; at least one after the last commit.
+        assert 1 <= wake_ups <= 20
+        with outbox.atomic() as box:
+            box.emit("X", payload={})
+        assert received(5)
+
+
+def test_a_failed_wake_up_is_logged_and_the_next_commit_wakes_again(db_vendor, caplog):
+    with listening(db_vendor) as received:
+        with outbox.atomic() as box:
+            box.emit("X", payload={})
+        assert received(5)
+        # The wake-up's connection dies (a restart, a proxy's idle timeout).
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE %s AND pid <> pg_backend_pid()",
+                ["%pg_notify(%"],
+            )
+        deadline = time.monotonic() + 10
+        woken = False
+        while not woken and time.monotonic() < deadline:
+            with outbox.atomic() as box:
+                box.emit("X", payload={})
+            woken = received(1)
+        assert woken
+    assert "The NOTIFY that wakes the relays failed" in caplog.text
+
+
+# -- one INSERT for a block ----------------------------------------------------------------
+
+
+def test_a_block_of_1000_events_is_one_insert_and_reads_back_as_emitted(db_vendor):
+    table = OutboxEvent._meta.db_table
     with CaptureQueriesContext(connection) as queries, outbox.atomic() as box:
-        box.emit("X", payload={})
-    assert any("pg_notify" in q["sql"] for q in queries.captured_queries)
+        events = [
+            box.emit("X", payload={"n": i, "total": Decimal("1.10")}, aggregate_id=i)
+            for i in range(1000)
+        ]
+    inserts = [
+        q
+        for q in queries.captured_queries
+        if q["sql"].startswith(f"INSERT INTO {connection.ops.quote_name(table)}")
+    ]
+    if db_vendor == "sqlite":  # as many as its parameter limit needs, as bulk_create()
+        assert 1 <= len(inserts) <= 20
+    else:
+        assert len(inserts) == 1
+    rows = {row.event_id: row for row in OutboxEvent.objects.all()}
+    assert len(rows) == 1000
+    for i, event in enumerate(events):
+        row = rows[event.event_id]
+        assert (row.aggregate_id, row.payload) == (str(i), {"n": i, "total": "1.10"})
+        assert row.status == Status.PENDING and row.retry_count == 0
+        if connection.features.can_return_rows_from_bulk_insert:
+            assert event.pk == row.pk
+        assert not event._state.adding
 
 
 # -- what emit() accepts at its limits, the relay sends ------------------------------------

@@ -141,10 +141,11 @@ class Notifier:
                 with self._lock:
                     self._close()
                 continue
-            # Cleared before sending: a request made from now on gets a NOTIFY of its own.
-            self.pending.clear()
             try:
                 with self._lock:
+                    # Cleared before sending: a request made from now on gets a NOTIFY of
+                    # its own. Under the lock, so close() finds no request half-served.
+                    self.pending.clear()
                     self._notify()
             except Exception:
                 logger.warning(
@@ -153,12 +154,15 @@ class Notifier:
                     self.using,
                     exc_info=True,
                 )
-                self._close()
+                with self._lock:
+                    self._close()
             time.sleep(self.SPACING)
 
     def _notify(self) -> None:
         if self._wrapper is None:
             wrapper = connections.create_connection(self.using)
+            # close_notifiers() closes it from another thread.
+            wrapper.inc_thread_sharing()
             wrapper.ensure_connection()
             wrapper.set_autocommit(True)
             self._wrapper = wrapper
@@ -171,8 +175,12 @@ class Notifier:
                 self._wrapper.close()
             self._wrapper = None
 
-    def close(self) -> None:
-        """Close the connection now (the thread opens another at the next request)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the connection once the requests made so far are served (the thread opens
+        another at the next request)."""
+        deadline = time.monotonic() + timeout
+        while self.pending.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
         with self._lock:
             self._close()
 
