@@ -156,7 +156,9 @@ class OutboxSettings:
         30.0, "Longest pause of the whole relay while the broker is unreachable (seconds)."
     )
     NOTIFY: Setting[bool] = Setting(
-        True, "On PostgreSQL, emit issues NOTIFY so an idle relay wakes at once."
+        True,
+        "On PostgreSQL, a commit that emitted sends NOTIFY (after it, from its own "
+        "connection) so an idle relay wakes at once.",
     )
     NOTIFY_CHANNEL: Setting[str] = Setting(
         "django_outbox", "PostgreSQL LISTEN/NOTIFY channel name."

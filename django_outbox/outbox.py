@@ -1,8 +1,10 @@
 """Write events in the caller's transaction: ``atomic()`` and ``emit()``.
 
-Nothing here talks to a broker or registers an ``on_commit`` hook: events become rows of
+Nothing here talks to a broker or depends on an ``on_commit`` hook: events become rows of
 the outbox table inside the same transaction as the business write, and the relay
-(``publish_outbox``) moves committed rows to RabbitMQ. If the transaction rolls back, the
+(``publish_outbox``) moves committed rows to RabbitMQ. (On PostgreSQL one hook wakes the
+relays after the commit, see ``relay/wake.py``; without it they find the rows at their
+next poll.) If the transaction rolls back, the
 events roll back with it; if it commits, the events are there for the relay, whatever
 happens to this process afterwards.
 

@@ -86,8 +86,10 @@ def _insert_sql(
     opts = model._meta
     fields = [f for f in opts.concrete_fields if not f.primary_key]
     qn = connections[using].ops.quote_name
-    head = f"INSERT INTO {qn(opts.db_table)} ({', '.join(qn(f.column) for f in fields)}) VALUES "
-    tail = f" RETURNING {qn(opts.db_table)}.{qn(opts.pk.column)}" if returning else ""
+    table = qn(opts.db_table)
+    columns = ", ".join(qn(str(f.column)) for f in fields)
+    head = f"INSERT INTO {table} ({columns}) VALUES "
+    tail = f" RETURNING {table}.{qn(str(opts.pk.column))}" if returning else ""
     return fields, head, tail
 
 
