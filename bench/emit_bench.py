@@ -57,6 +57,7 @@ database is the benchmark's own (created on the server, dropped afterwards).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import threading
 import time
@@ -66,12 +67,20 @@ from decimal import Decimal
 from typing import Any
 
 from bench.common import (
+    CpuMeter,
     count_from,
     emit_sample,
     parser,
+    proc_cpu_seconds,
     report,
 )
-from bench.relay_bench import SERVERS, bench_database, server_url, setup_django
+from bench.relay_bench import (
+    DATABASE_PROCESS,
+    SERVERS,
+    bench_database,
+    server_url,
+    setup_django,
+)
 from django_outbox.masking import mask_url
 
 #: The amount of the bench's orders.
@@ -285,8 +294,9 @@ def measure_block(events: int = BLOCK_EVENTS) -> tuple[int, float]:
 
 
 # -- writers: commits/s of concurrent writers, wake-up on and off ---------------------------
-def _writer(on: bool, start: Any, stop_at: Any, results: Any) -> None:
-    """A writer process: order + event transactions on its own connection until stop_at."""
+def _writer(on: bool, start: Any, stop_at: Any, results: Any, finish: Any) -> None:
+    """A writer process: order + event transactions on its own connection until stop_at;
+    puts its commits and the CPU seconds it used meanwhile (all its threads)."""
     from django.db import connections
 
     connections.close_all()  # the parent's sockets are not ours
@@ -294,12 +304,14 @@ def _writer(on: bool, start: Any, stop_at: Any, results: Any) -> None:
     with wake_up(on):
         cost_transaction("order + event", 0)  # connect and warm up outside the timing
         start.wait()
+        cpu = proc_cpu_seconds()
         deadline = stop_at.value
         while time.time() < deadline:
             cost_transaction("order + event", 0)
             commits += 1
+        results.put((commits, proc_cpu_seconds() - cpu))
+        finish.wait()  # connections open until the parent has read the server's CPU
     connections.close_all()
-    results.put(commits)
 
 
 class Listener:
@@ -337,51 +349,75 @@ class Listener:
             self.waker.close()
 
 
-def measure_writers(writers: int, seconds: float, on: bool) -> float:
-    """Commits/s of ``writers`` processes together, the wake-up ``on`` or off."""
+@dataclasses.dataclass
+class Writers:
+    """One round of the writers: commits/s, and CPU microseconds per commit in the writer
+    processes (their wake-up threads included) and in the database server (server-wide)."""
+
+    rate: float
+    writer_us: float
+    database_us: float
+
+
+def measure_writers(writers: int, seconds: float, on: bool, database: str) -> Writers:
+    """``writers`` processes together, the wake-up ``on`` or off."""
     import multiprocessing
 
     from django.db import connections
 
     ctx = multiprocessing.get_context("fork")
     connections.close_all()
-    start, results = ctx.Event(), ctx.Queue()
+    start, finish, results = ctx.Event(), ctx.Event(), ctx.Queue()
     stop_at = ctx.Value("d", 0.0)
     procs = [
-        ctx.Process(target=_writer, args=(on, start, stop_at, results)) for _ in range(writers)
+        ctx.Process(target=_writer, args=(on, start, stop_at, results, finish))
+        for _ in range(writers)
     ]
     for proc in procs:
         proc.start()
     time.sleep(0.5 + 0.05 * writers)  # every writer connected and warmed up
+    server = CpuMeter({"database": DATABASE_PROCESS[database]})
+    server.start()
     stop_at.value = time.time() + seconds
     start.set()
-    total = sum(results.get(timeout=seconds + 60) for _ in procs)
+    got = [results.get(timeout=seconds + 60) for _ in procs]
+    server_cpu = server.stop()["database"]
+    finish.set()
     for proc in procs:
         proc.join()
         if proc.exitcode:
             raise SystemExit(f"a writer exited with {proc.exitcode}")
-    return total / seconds
+    commits = sum(c for c, _ in got) or 1
+    return Writers(
+        commits / seconds, sum(cpu for _, cpu in got) / commits * 1e6, server_cpu / commits * 1e6
+    )
 
 
-def run_writers(writers: int, seconds: float, rounds: int) -> None:
-    on, off = [], []
+def run_writers(writers: int, seconds: float, rounds: int, database: str) -> None:
+    on: list[Writers] = []
+    off: list[Writers] = []
     with Listener() as listener:
         for r in range(rounds):
             for flag in (r % 2 == 0, r % 2 != 0):
-                (on if flag else off).append(measure_writers(writers, seconds, flag))
+                (on if flag else off).append(measure_writers(writers, seconds, flag, database))
                 clear()
     print(
         f"-- writers: {writers} processes, order + event, {seconds:g} s x {rounds} round(s) "
-        f"each; listener woke {listener.wakes} times"
+        f"each; listener woke {listener.wakes} times; CPU per commit is load-proof, the "
+        "rate is not"
     )
     median = statistics.median
-    print(f"{'wake-up on':<40}  {median(on):>10,.0f} commits/s  runs {_rates(on)}")
-    print(f"{'wake-up off':<40}  {median(off):>10,.0f} commits/s  runs {_rates(off)}")
-    print(f"{'ratio on / off':<40}  {median(on) / median(off):10.2f}", flush=True)
-
-
-def _rates(values: list[float]) -> str:
-    return ", ".join(f"{v:,.0f}" for v in values)
+    for name, runs in (("wake-up on", on), ("wake-up off", off)):
+        print(
+            f"{name:<40}  {median(w.rate for w in runs):>10,.0f} commits/s  CPU per commit: "
+            f"writers {median(w.writer_us for w in runs):,.0f} us, database "
+            f"{median(w.database_us for w in runs):,.0f} us  "
+            f"(runs {', '.join(f'{w.rate:,.0f}' for w in runs)})"
+        )
+    print(
+        f"{'ratio on / off':<40}  {median(w.rate for w in on) / median(w.rate for w in off):10.2f}",
+        flush=True,
+    )
 
 
 PARTS = ("cost", "block", "writers", "tracing")
@@ -426,7 +462,7 @@ def main() -> None:
                 raise SystemExit(f"a block of {BLOCK_EVENTS} events sent {inserts} INSERTs")
             clear()
         if "writers" in parts:
-            run_writers(args.writers, args.writer_seconds, args.writer_rounds)
+            run_writers(args.writers, args.writer_seconds, args.writer_rounds, args.database)
         if "tracing" in parts:
             run_tracing(args, count)
 

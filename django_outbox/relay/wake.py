@@ -166,8 +166,13 @@ class Notifier:
             wrapper.ensure_connection()
             wrapper.set_autocommit(True)
             self._wrapper = wrapper
-        with self._wrapper.cursor() as cursor:
+        # The driver's cursor, not Django's: none of its wrapping (query logging, error
+        # translation) is of use here, and this runs for most commits of a busy process.
+        cursor = self._wrapper.connection.cursor()
+        try:
             cursor.execute(self.SQL, [outbox_settings.NOTIFY_CHANNEL])
+        finally:
+            cursor.close()
 
     def _close(self) -> None:
         if self._wrapper is not None:
