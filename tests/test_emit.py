@@ -387,6 +387,37 @@ def test_a_failed_wake_up_is_logged_and_the_next_commit_wakes_again(db_vendor, c
     assert "The NOTIFY that wakes the relays failed" in caplog.text
 
 
+def _emit_in_a_forked_child() -> None:
+    from django.db import connections
+
+    from django_outbox.testing import close_wake_connections
+
+    with outbox.atomic() as box:
+        box.emit("X", payload={})
+    close_wake_connections()
+    connections.close_all()
+
+
+# Python warns of fork() in a process with threads: this one has the wake-up's thread.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_worker_wakes_the_relays_with_a_thread_of_its_own(db_vendor):
+    """A pre-forking server's worker: the parent's wake-up thread did not follow it."""
+    import multiprocessing
+
+    from django.db import connections
+
+    with listening(db_vendor) as received:
+        with outbox.atomic() as box:  # the parent's wake-up thread and connection
+            box.emit("X", payload={})
+        assert received(5)
+        connections.close_all()  # the child opens its own
+        child = multiprocessing.get_context("fork").Process(target=_emit_in_a_forked_child)
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        assert received(5)
+
+
 # -- one INSERT for a block ----------------------------------------------------------------
 
 

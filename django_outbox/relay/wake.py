@@ -191,23 +191,29 @@ class Notifier:
 
 
 _notifiers: dict[str, Notifier] = {}
-_notifiers_pid = os.getpid()
 _notifiers_lock = threading.Lock()
 #: The notifiers of a parent process, kept after a fork so that the child never closes
 #: (garbage-collects) the parent's connection: it shares the socket.
 _inherited: list[Notifier] = []
 
 
+def _forget_notifiers_after_fork() -> None:
+    """In a forked child (a pre-forking web server's worker): the parent's threads did not
+    follow, so the child starts its own notifiers."""
+    global _notifiers_lock
+    _inherited.extend(_notifiers.values())
+    _notifiers.clear()
+    _notifiers_lock = threading.Lock()  # it may have been held by a thread of the parent
+
+
+os.register_at_fork(after_in_child=_forget_notifiers_after_fork)
+
+
 def request_wake(using: str) -> None:
     """Wake the relays of database ``using`` soon after now: ``emit()``'s ``on_commit``."""
-    global _notifiers_pid
     notifier = _notifiers.get(using)
-    if notifier is None or _notifiers_pid != os.getpid():
+    if notifier is None:
         with _notifiers_lock:
-            if _notifiers_pid != os.getpid():  # a forked child: the threads did not follow
-                _inherited.extend(_notifiers.values())
-                _notifiers.clear()
-                _notifiers_pid = os.getpid()
             notifier = _notifiers.get(using)
             if notifier is None:
                 notifier = _notifiers[using] = Notifier(using)
