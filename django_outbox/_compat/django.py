@@ -76,18 +76,35 @@ def build_rows(
     return rows
 
 
+#: Fields whose ``get_db_prep_save()`` returns a ``str``/``int`` value unchanged, and
+#: ``None`` as ``None``, on every backend: their values skip it (most of a row's fields).
+_PLAIN_FIELDS = (models.CharField, models.TextField, models.IntegerField)
+_PLAIN_TYPES = (str, int)
+
+
+def _prepare(field: Any) -> tuple[Any, bool, bool]:
+    """(field, whether its value comes from ``pre_save()``, whether it is plain)."""
+    pre_save = type(field).pre_save not in (
+        models.Field.pre_save,
+        models.DateField.pre_save,
+        models.DateTimeField.pre_save,
+    ) or bool(getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False))
+    return field, pre_save, isinstance(field, _PLAIN_FIELDS)
+
+
 @functools.cache
 def _insert_sql(
     model: type[models.Model], using: str, vendor: str, returning: bool
 ) -> tuple[list[Any], str, str]:
-    """The fields an INSERT of ``model`` writes (all but the primary key), and the SQL
-    before (``INSERT INTO t (a, b, ...) VALUES``) and after (``RETURNING t.id``) its rows,
-    quoted for database ``using`` (of ``vendor``)."""
+    """The fields an INSERT of ``model`` writes (all but the primary key), each with how
+    its value is read (:func:`_prepare`), and the SQL before (``INSERT INTO t (a, b, ...)
+    VALUES``) and after (``RETURNING t.id``) its rows, quoted for database ``using`` (of
+    ``vendor``)."""
     opts = model._meta
-    fields = [f for f in opts.concrete_fields if not f.primary_key]
+    fields = [_prepare(f) for f in opts.concrete_fields if not f.primary_key]
     qn = connections[using].ops.quote_name
     table = qn(opts.db_table)
-    columns = ", ".join(qn(str(f.column)) for f in fields)
+    columns = ", ".join(qn(str(f.column)) for f, _, _ in fields)
     head = f"INSERT INTO {table} ({columns}) VALUES "
     tail = f" RETURNING {table}.{qn(str(opts.pk.column))}" if returning else ""
     return fields, head, tail
@@ -104,7 +121,7 @@ def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None
     # Expressions compiled once per call: every Now() (DbNow()) is the same SQL, and the
     # others are compiled per object (a scheduled row's due time caches its own SQL).
     compiled: dict[Any, tuple[str, Sequence[Any]]] = {}
-    batch = max(1, connection.ops.bulk_batch_size(fields, objs))
+    batch = max(1, connection.ops.bulk_batch_size([f for f, _, _ in fields], objs))
     attname = model._meta.pk.attname
     with connection.cursor() as cursor:
         for start in range(0, len(objs), batch):
@@ -113,8 +130,12 @@ def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None
             params: list[Any] = []
             for obj in chunk:
                 placeholders = []
-                for field in fields:
-                    value = field.pre_save(obj, True)
+                for field, pre_save, plain in fields:
+                    value = field.pre_save(obj, True) if pre_save else getattr(obj, field.attname)
+                    if plain and (value is None or type(value) in _PLAIN_TYPES):
+                        placeholders.append("%s")
+                        params.append(value)
+                        continue
                     if isinstance(value, DatabaseDefault):
                         value = field.db_default
                     if hasattr(value, "resolve_expression"):

@@ -115,7 +115,7 @@ class Notifier:
     SQL = "SELECT set_config('synchronous_commit', 'off', false), pg_notify(%s, '')"
     #: The least time between two NOTIFYs of one process to one database: what a wake-up
     #: may lag its commit by at most, besides the NOTIFY's own round trip.
-    SPACING = 0.01
+    SPACING = 0.02
     #: Seconds without a request after which the connection is closed: a process that
     #: emits now and then holds no connection meanwhile, and a test database can be
     #: dropped soon after the last commit (see :func:`close_notifiers`).
