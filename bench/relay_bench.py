@@ -128,9 +128,6 @@ def bench_database(url: str) -> Iterator[str]:
     finally:
         from django.db import connections
 
-        from django_outbox.relay.wake import close_notifiers
-
-        close_notifiers()  # emit()'s wake-up connection, before the database goes
         connections.close_all()
         drop = f"DROP DATABASE IF EXISTS {quoted}" + (" WITH (FORCE)" if postgres else "")
         admin.cursor().execute(drop)

@@ -30,17 +30,6 @@ def captured_messages() -> Iterator[list[locmem.Message]]:
     yield locmem.outbox
 
 
-def close_wake_connections() -> None:
-    """Close the connections ``emit()``'s wake-ups hold on PostgreSQL (one per process and
-    database, opened by the first commit that emitted, closed by itself a second after
-    the last one). Call it at the end of a test that commits events (a transactional
-    test, or ``captureOnCommitCallbacks(execute=True)``), so that the test database is
-    not in use when the run drops it."""
-    from .relay.wake import close_notifiers
-
-    close_notifiers()
-
-
 def relay_now(**relay_options: Any) -> Any:
     """Drain every due event through the in-memory backend; returns the PassResult."""
     from .relay import Relay

@@ -87,16 +87,6 @@ def _reset_locmem() -> Iterator[None]:
     locmem.reset()
 
 
-@pytest.fixture(autouse=True)
-def _close_wake_connections() -> Iterator[None]:
-    """A commit that emitted on PostgreSQL leaves a wake-up connection open for a second:
-    closed after each test, so the test database can be dropped at the end of the run."""
-    yield
-    from django_outbox.testing import close_wake_connections
-
-    close_wake_connections()
-
-
 @pytest.fixture
 def db_vendor() -> str:
     from django.db import connection
