@@ -157,8 +157,8 @@ class OutboxSettings:
     )
     NOTIFY: Setting[bool] = Setting(
         True,
-        "On PostgreSQL, a commit that emitted sends NOTIFY (after it, from its own "
-        "connection) so an idle relay wakes at once.",
+        "On PostgreSQL, a commit that emitted sends NOTIFY (right after it, as a "
+        "transaction of its own) so an idle relay wakes at once.",
     )
     NOTIFY_CHANNEL: Setting[str] = Setting(
         "django_outbox", "PostgreSQL LISTEN/NOTIFY channel name."
