@@ -84,7 +84,7 @@ def test_numbers_must_be_positive(settings):
     errors = check_positive_numbers()
     assert ids(errors) == [Codes.NUMBERS, Codes.NUMBERS]
     assert {"OUTBOX_BATCH_SIZE", "OUTBOX_POLL_INTERVAL"} == {m.msg.split()[0] for m in errors}
-    assert "Set OUTBOX_BATCH_SIZE to a positive integer such as 500" in errors[0].hint
+    assert "Set OUTBOX_BATCH_SIZE to a positive integer such as 1000" in errors[0].hint
 
 
 def test_lease_must_outlast_confirm_timeout(settings):
