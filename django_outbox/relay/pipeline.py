@@ -103,6 +103,11 @@ class Pipeline:
             if not batch.rows:
                 return
             batch.after_ok = batch.after & self.confirmed
+            if batch.full and not batch.has_runs:
+                # More may be due: claim the next before this one is written, so the claim
+                # runs in the database while the messages are built and sent (claimed after
+                # the send, MariaDB's drain fell from 0.71 to 0.64 of raw pika).
+                self.ahead = self.lanes.claim(self.claim)
             self.in_flight.append(self.relay.send(batch))
             if batch.has_runs:
                 # Ordered runs: claim what follows them (and the heads due meanwhile) while
@@ -112,8 +117,6 @@ class Pipeline:
                 return
             if not batch.full:
                 return
-            # More may be due: claim the next while this one is out.
-            self.ahead = self.lanes.claim(self.claim)
 
     def after_the_last(self) -> bool:
         """Nothing in flight: settle the last batch; True if the drain goes on."""
