@@ -125,6 +125,7 @@ class Hints:
     UNKNOWN_SETTING = "Rename {name} to {suggestion}."
     UNKNOWN_SETTING_NONE = "Remove {name}; docs/settings.md lists every setting."
     NUMBERS = "Set {name} to {rule} such as {default!r} (the default)."
+    NUMBERS_UNSET = "Set {name} to {rule}, or remove it: the relay then chooses per database."
     LEASE = "Set OUTBOX_LEASE_SECONDS above {timeout}, e.g. OUTBOX_LEASE_SECONDS = {lease:g}."
     ORDERED = "Set OUTBOX_ORDERED = True, or a list of types such as ['ORDER_CREATED']."
     ORDERED_DEAD_HEAD = (
@@ -196,6 +197,9 @@ POSITIVE_SETTINGS: tuple[tuple[str, bool], ...] = (
 )
 
 
+#: Settings that may also be None: then chosen per database (OUTBOX_BATCH_SIZE).
+UNSET_ALLOWED: frozenset[str] = frozenset({"BATCH_SIZE"})
+
 #: Settings that must be a number >= 0 (0 turns the feature off), reported like the above.
 NON_NEGATIVE_SETTINGS: tuple[str, ...] = ("PURGE_PAUSE_RATIO",)
 
@@ -235,6 +239,8 @@ def check_positive_numbers(app_configs: Any = None, **kwargs: Any) -> list[Check
     errors: list[CheckMessage] = []
     for name, whole in POSITIVE_SETTINGS:
         value = getattr(outbox_settings, name)
+        if value is None and name in UNSET_ALLOWED:
+            continue
         if _positive(value) and (isinstance(value, int) or not whole):
             continue
         rule = "a positive integer" if whole else "a positive number"
@@ -248,9 +254,10 @@ def check_positive_numbers(app_configs: Any = None, **kwargs: Any) -> list[Check
 
 def _number_error(name: str, rule: str, value: Any) -> CheckMessage:
     default = OutboxSettings.defaults()[PREFIX + name].default
+    hint = Hints.NUMBERS if default is not None else Hints.NUMBERS_UNSET
     return Error(
         Messages.NUMBERS.format(name=PREFIX + name, rule=rule, value=value),
-        hint=Hints.NUMBERS.format(name=PREFIX + name, rule=rule, default=default),
+        hint=hint.format(name=PREFIX + name, rule=rule, default=default),
         id=Codes.NUMBERS,
     )
 

@@ -135,9 +135,11 @@ class OutboxSettings:
         10.0,
         "Seconds to wait for the broker connection (also the blocked-connection timeout).",
     )
-    # 1000: bench.relay_bench drained at 0.88 of raw pika (PostgreSQL) against 0.76 at 500
-    # and 0.85 at 2000; the same within noise on MariaDB (docs/benchmarks.md).
-    BATCH_SIZE: Setting[int] = Setting(1000, "Events claimed and published per relay batch.")
+    BATCH_SIZE: Setting[int | None] = Setting(
+        None,
+        "Events claimed and published per relay batch; None: the fastest measured for the "
+        "database (1000 on PostgreSQL, 500 on MySQL/MariaDB and SQLite).",
+    )
     DB_THREAD: Setting[bool] = Setting(
         True,
         "The relay claims and settles batches on two more threads (a connection each) while "

@@ -84,7 +84,12 @@ def test_numbers_must_be_positive(settings):
     errors = check_positive_numbers()
     assert ids(errors) == [Codes.NUMBERS, Codes.NUMBERS]
     assert {"OUTBOX_BATCH_SIZE", "OUTBOX_POLL_INTERVAL"} == {m.msg.split()[0] for m in errors}
-    assert "Set OUTBOX_BATCH_SIZE to a positive integer such as 1000" in errors[0].hint
+    assert errors[0].hint == (
+        "Set OUTBOX_BATCH_SIZE to a positive integer, or remove it: the relay then chooses "
+        "per database."
+    )
+    settings.OUTBOX_BATCH_SIZE = None  # unset: chosen per database
+    assert [m.msg.split()[0] for m in check_positive_numbers()] == ["OUTBOX_POLL_INTERVAL"]
 
 
 def test_lease_must_outlast_confirm_timeout(settings):

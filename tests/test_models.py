@@ -160,7 +160,7 @@ def test_every_setting_is_documented():
 def test_settings_are_read_lazily(settings):
     from django_outbox.conf import outbox_settings
 
-    assert outbox_settings.BATCH_SIZE == 1000
+    assert outbox_settings.BATCH_SIZE is None
     settings.OUTBOX_BATCH_SIZE = 7
     assert outbox_settings.BATCH_SIZE == 7
 

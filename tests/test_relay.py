@@ -589,3 +589,17 @@ def test_after_a_pass_that_found_events_the_relay_looks_again_sooner():
     total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
     assert total.sent == 4
     assert waker.waits == [pytest.approx(0.2), pytest.approx(0.2), 2.0]
+
+
+def test_the_batch_size_is_chosen_per_database_when_unset(settings):
+    """OUTBOX_BATCH_SIZE unset: the fastest measured for the database (docs/benchmarks.md);
+    set, or given, it wins."""
+    from django_outbox.relay.engine import DEFAULT_BATCH_SIZES
+
+    settings.OUTBOX_BATCH_SIZE = None
+    expected = DEFAULT_BATCH_SIZES.get(connection.vendor, 500)
+    assert make_relay().batch_size == expected
+    assert expected == (1000 if connection.vendor == "postgresql" else 500)
+    settings.OUTBOX_BATCH_SIZE = 250
+    assert make_relay().batch_size == 250
+    assert make_relay(batch_size=40).batch_size == 40
