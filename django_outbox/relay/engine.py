@@ -115,6 +115,14 @@ class Relay:
     ) -> None:
         self.backend = backend if backend is not None else get_backend()
         self.using = outbox_db(using)
+        # When a drain claims the batch after the one it sends: before writing it where the
+        # claim's time is spent in the database (MySQL/MariaDB: a locking read that sorts,
+        # then an UPDATE), so it overlaps the write; after it on PostgreSQL, where the claim
+        # is one statement and most of its time is building the rows in Python, which
+        # would take the GIL from the thread writing the batch. bench.relay_bench, ratio
+        # to raw pika: PostgreSQL 0.79 claiming before, 0.88 after; MariaDB 0.69 before,
+        # 0.66 after.
+        self.claim_before_send = connections[self.using].vendor != "postgresql"
         self.batch_size = batch_size or outbox_settings.BATCH_SIZE or default_batch_size(self.using)
         self.lease_seconds = lease_seconds or outbox_settings.LEASE_SECONDS
         self.policy = policy or ScheduleRetryPolicy.from_settings()
