@@ -410,7 +410,7 @@ def _insert(events: list[OutboxEvent], using: str) -> None:
             ) from exc
         raise
     if connection.vendor == "postgresql" and outbox_settings.NOTIFY:
-        # After the commit, from another connection: a NOTIFY in this transaction would
+        # Right after the commit, on this connection: a NOTIFY in this transaction would
         # serialise its commit with every other one that notifies (relay/wake.py).
         hook = _wake_hook(using)
         # Once per transaction however many emits it makes; a savepoint rolled back takes
