@@ -221,6 +221,34 @@ def test_timeout_when_the_broker_stops_answering(broker: Broker, proxied) -> Non
     assert len(broker.get_all(queue, 8)) == 8  # timed out does not mean not delivered
 
 
+def test_a_batch_sent_after_the_loss_is_lost_too_until_every_batch_is_collected(
+    broker: Broker, proxied
+) -> None:
+    """The connection goes away after two batches were confirmed and before they are
+    collected. A batch sent then fails as connection lost, and so does one sent after the
+    first was collected: nothing is written to a dead channel (it once raised an
+    AssertionError, counted as an attempt against the rows), and once every batch is
+    collected the next send connects again."""
+    with through_proxy(broker, proxied) as (proxy, queue, backend):
+        backend.send(wire_rows(20))
+        backend.send(wire_rows(20, start=100))
+        backend._poll()  # one turn of the I/O loop writes them out, before any confirm is back
+        time.sleep(0.3)  # both confirmed: the confirms wait, unread, in the socket
+        proxy.refuse()
+        proxy.cut()
+        first = backend.wait()  # reads the confirms, then the loss
+        backend.send(wire_rows(5, start=200))
+        second = backend.wait()
+        backend.send(wire_rows(5, start=300))
+        third, fourth = backend.wait(), backend.wait()
+        assert [r.ok for r in first + second] == [True] * 40
+        assert {r.reason for r in third + fourth} == {Reason.CONNECTION_LOST}
+        proxy.allow()
+        backend.send(wire_rows(3, start=500))
+        assert [r.ok for r in backend.wait()] == [True] * 3
+    assert len(broker.get_all(queue, 43, timeout=2)) >= 43
+
+
 def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
     broker: Broker, proxied
 ) -> None:

@@ -419,8 +419,11 @@ class PikaBackend(AmqpBackend):
                 "alarm); see `rabbitmqctl status` and docs/operations.md. Nothing was sent."
             )
         if self._inflight and self._inflight[-1].lost:
-            # The connection went away under an earlier batch: nothing more can be written.
-            batch.fail_from(0, Reason.CONNECTION_LOST, self._inflight[-1].lost)
+            # The connection went away under an earlier batch: nothing more can be written
+            # until wait() has collected every batch and open() connects again. The loss is
+            # this batch's too, so a batch sent after it is failed the same way.
+            batch.lost = self._inflight[-1].lost
+            batch.fail_from(0, Reason.CONNECTION_LOST, batch.lost)
             self._inflight.append(batch)
             return
         self._inflight.append(batch)
