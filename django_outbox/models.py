@@ -102,13 +102,10 @@ class OutboxEvent(models.Model):
             # Compensation (stale PENDING), purge (old SENT), the triage table and the
             # oldest-pending gauge all filter on status and created_at.
             models.Index(fields=["status", "created_at"], name="django_outbox_created_idx"),
-            # Triage by business key, and the head-of-aggregate lookup of ordered mode.
-            models.Index(
-                fields=["aggregate_type", "aggregate_id", "id"],
-                name="django_outbox_aggregate_idx",
-            ),
-            # Ordered mode's per-aggregate lookups (the last SENT event before a head, the
-            # PENDING events behind a dead one): status before id skips the other states.
+            # Triage by business key, and ordered mode's per-aggregate lookups (the last
+            # SENT event before a head, the PENDING events behind a dead one): status before
+            # id skips the other states. (aggregate_type, aggregate_id, id) was dropped in
+            # 0009: this one serves all it served, and every event paid for both.
             models.Index(
                 fields=["aggregate_type", "aggregate_id", "status", "id"],
                 name="django_outbox_agg_head_idx",

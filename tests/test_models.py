@@ -26,11 +26,14 @@ def test_relay_index_and_unique_constraint_exist_in_the_database():
     due = constraints["django_outbox_due_idx"]
     assert due["index"] and due["columns"] == ["status", "next_retry_time"]
     assert constraints["django_outbox_created_idx"]["columns"] == ["status", "created_at"]
-    assert constraints["django_outbox_aggregate_idx"]["columns"] == [
+    assert constraints["django_outbox_agg_head_idx"]["columns"] == [
         "aggregate_type",
         "aggregate_id",
+        "status",
         "id",
     ]
+    # Dropped in 0009: agg_head_idx serves what it served.
+    assert "django_outbox_aggregate_idx" not in constraints
     unique = constraints["django_outbox_event_id_uniq"]
     assert unique["unique"] and unique["columns"] == ["event_id"]
 
