@@ -561,6 +561,9 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             next_retry_time=DbNow() if due is None else due,
             due_at=due,
             created_at=DbNow(),
+            # No lease (it has run out), but a value: the claim that sets it then leaves
+            # the record's length as it is (see models.LeaseTokenField).
+            leased_until=DbNow(),
             **fields,
         )
 

@@ -240,3 +240,37 @@ def test_a_url_in_an_error_is_recorded_with_its_password_masked():
     row.refresh_from_db()
     assert row.last_error == "cannot connect to 'amqp://app:***@rabbit:5672/%2F': refused"
     assert "s3cret" not in row.last_error
+
+
+def test_mysql_claims_rewrite_their_rows_in_place():
+    """On MySQL/MariaDB a claim leaves its rows' length as it was (``lease_token`` is
+    ``CHAR(32)``, ``leased_until`` is written at the INSERT): InnoDB rewrites them in place
+    instead of splitting the outbox's full pages. Seen in the redo log the claim writes:
+    about 0.2 kB a row, against 5.3 kB when the claim made the rows longer."""
+    from django.db import connection
+
+    from django_outbox import outbox
+
+    if connection.vendor != "mysql":
+        pytest.skip("InnoDB's redo log")
+
+    def redo_lsn() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW GLOBAL STATUS LIKE 'Innodb_lsn_current'")
+            return int(cursor.fetchone()[1])
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT data_type FROM information_schema.columns WHERE table_schema = DATABASE() "
+            "AND table_name = %s AND column_name = 'lease_token'",
+            [OutboxEvent._meta.db_table],
+        )
+        assert cursor.fetchone()[0] == "char"
+    with outbox.atomic() as box:
+        for n in range(1000):
+            box.emit("ORDER_CREATED", payload={"order_id": n, "note": "x" * 200}, aggregate_id=n)
+    before = redo_lsn()
+    _, rows = OutboxEvent.objects.due().claim(1000, lease_seconds=60)
+    per_row = (redo_lsn() - before) / len(rows)
+    assert len(rows) == 1000
+    assert per_row < 1500, f"{per_row:.0f} bytes of redo log per row claimed"
