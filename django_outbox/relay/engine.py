@@ -485,23 +485,12 @@ class Relay:
         """Send the rows ``indices`` of a batch with ordered runs (one wave of it)."""
         try:
             self._send_rows([batch.rows[index] for index in indices])
-        except BrokerUnavailable as exc:
-            if first:  # nothing of the batch is out: give it all back, as for a whole batch
+        except Exception as exc:
+            if first and isinstance(exc, BrokerUnavailable):
+                # Nothing of the batch is out: give it all back, as for a whole batch.
                 self.release(batch, f"broker unavailable: {exc}")
                 raise BrokerOutage(str(exc)) from exc
-            batch.resolve(
-                indices,
-                PublishResult.failed(Reason.CONNECTION_LOST, f"broker unavailable: {exc}"),
-            )
-            return
-        except Exception as exc:
-            logger.error(
-                "[%s] backend raised while publishing %d events",
-                self.job,
-                len(indices),
-                exc_info=exc,
-            )
-            batch.resolve(indices, PublishResult.failed(Reason.ERROR, error_text(exc)))
+            batch.resolve(indices, self._failure(exc, len(indices), "publishing"))
             return
         self._outstanding.append((batch, indices))
 
@@ -510,18 +499,18 @@ class Relay:
         has (see :meth:`collect`); an error fails those rows (and holds back their runs)."""
         try:
             return self.backend.wait()
-        except BrokerUnavailable as exc:
-            return [
-                PublishResult.failed(Reason.CONNECTION_LOST, f"broker unavailable: {exc}")
-            ] * len(indices)
         except Exception as exc:
-            logger.error(
-                "[%s] backend raised while waiting for %d events",
-                self.job,
-                len(indices),
-                exc_info=exc,
-            )
-            return [PublishResult.failed(Reason.ERROR, error_text(exc))] * len(indices)
+            return [self._failure(exc, len(indices), "waiting for")] * len(indices)
+
+    def _failure(self, exc: Exception, count: int, doing: str) -> PublishResult:
+        """The result of ``count`` rows whose backend call raised ``exc``: a broker that
+        cannot be reached is the connection's fault; any other error (a bug, an unexpected
+        library error) is counted against the rows, which may be what triggers it, rather
+        than looped on forever."""
+        if isinstance(exc, BrokerUnavailable):
+            return PublishResult.failed(Reason.CONNECTION_LOST, f"broker unavailable: {exc}")
+        logger.error("[%s] backend raised while %s %d events", self.job, doing, count, exc_info=exc)
+        return PublishResult.failed(Reason.ERROR, error_text(exc))
 
     def abandon(self) -> None:
         """Forget every batch sent and not collected (the backend's :meth:`abandon`)."""
@@ -539,16 +528,7 @@ class Relay:
             self.release(batch, f"broker unavailable: {exc}")
             raise BrokerOutage(str(exc)) from exc
         except Exception as exc:
-            # A bug or an unexpected library error: count it against the rows (they may be
-            # what triggers it) rather than loop on them forever.
-            logger.error(
-                "[%s] backend raised while publishing %d events",
-                self.job,
-                len(batch.rows),
-                exc_info=exc,
-            )
-            failure = PublishResult.failed(Reason.ERROR, error_text(exc))
-            return [failure] * len(batch.rows)
+            return [self._failure(exc, len(batch.rows), "publishing")] * len(batch.rows)
 
     def _ensure_open(self) -> None:
         if not self._opened:
