@@ -138,7 +138,7 @@ class OutboxSettings:
     BATCH_SIZE: Setting[int | None] = Setting(
         None,
         "Events claimed and published per relay batch; None: the fastest measured for the "
-        "database (1000 on PostgreSQL, 500 on MySQL/MariaDB and SQLite).",
+        "database (1000 on PostgreSQL and MySQL/MariaDB, 500 on SQLite).",
     )
     DB_THREAD: Setting[bool] = Setting(
         True,

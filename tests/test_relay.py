@@ -599,7 +599,7 @@ def test_the_batch_size_is_chosen_per_database_when_unset(settings):
     settings.OUTBOX_BATCH_SIZE = None
     expected = DEFAULT_BATCH_SIZES.get(connection.vendor, 500)
     assert make_relay().batch_size == expected
-    assert expected == (1000 if connection.vendor == "postgresql" else 500)
+    assert expected == (500 if connection.vendor == "sqlite" else 1000)
     settings.OUTBOX_BATCH_SIZE = 250
     assert make_relay().batch_size == 250
     assert make_relay(batch_size=40).batch_size == 40

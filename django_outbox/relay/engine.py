@@ -61,9 +61,10 @@ BUSY_POLL_FRACTION = 0.1
 
 #: The batch size of a relay when OUTBOX_BATCH_SIZE is unset, per database vendor: the
 #: fastest drain measured by bench.relay_bench (ratio to raw pika, medians): PostgreSQL 0.76
-#: at 500, 0.88 at 1000, 0.85 at 2000; MariaDB 0.70 at 500, 0.64 at 1000 (its claim reads
-#: and sorts more rows per batch). docs/benchmarks.md.
-DEFAULT_BATCH_SIZES = {"postgresql": 1000}
+#: at 500, 0.88 at 1000, 0.85 at 2000; MariaDB 0.76 at 500, 0.82 at 1000 (0.70 and 0.64
+#: while its claims split pages, before migration 0010). docs/benchmarks.md. SQLite, for
+#: development, is not measured.
+DEFAULT_BATCH_SIZES = {"postgresql": 1000, "mysql": 1000}
 DEFAULT_BATCH_SIZE = 500
 
 

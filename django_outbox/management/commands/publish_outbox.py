@@ -36,8 +36,8 @@ class Command(DatabaseCommand):
             "--batch-size",
             type=positive_int,
             default=None,
-            help="Events per batch (default OUTBOX_BATCH_SIZE; unset: 1000 on PostgreSQL, "
-            "500 on other databases).",
+            help="Events per batch (default OUTBOX_BATCH_SIZE; unset: 1000 on PostgreSQL "
+            "and MySQL/MariaDB, 500 on SQLite).",
         )
         parser.add_argument(
             "--interval",
