@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 from decimal import Decimal
 
@@ -22,6 +23,7 @@ from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
 from tests.utils.relay import make_relay
 from tests.utils.rows import expire_leases
 from tests.utils.threads import db_thread
+from tests.utils.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -589,6 +591,70 @@ def test_after_a_pass_that_found_events_the_relay_looks_again_sooner():
     total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
     assert total.sent == 4
     assert waker.waits == [pytest.approx(0.2), pytest.approx(0.2), 2.0]
+
+
+def test_after_a_wake_up_the_relay_looks_again_within_the_waker_s_recheck():
+    """LISTEN/NOTIFY: after a pass that was woken (even one that found nothing, another
+    relay having taken the events) or that found events, the relay looks again within the
+    waker's ``recheck`` (the NOTIFY window): a commit that sent no NOTIFY because its
+    process had just sent one is found that soon. Idle again, it sleeps the interval."""
+    from django_outbox.relay.wake import Waker
+
+    class Recording(Waker):
+        @property
+        def recheck(self) -> float:
+            return 0.05
+
+        def __init__(self, stop: threading.Event) -> None:
+            super().__init__(stop)
+            self.waits: list[float] = []
+
+        def wait(self, timeout: float) -> bool:
+            self.waits.append(timeout)
+            if len(self.waits) == 3:
+                self.stop.set()
+            return len(self.waits) == 1  # a NOTIFY ends the first sleep
+
+    emit_many(2)
+    stop = threading.Event()
+    waker = Recording(stop)
+    total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
+    assert total.sent == 2
+    # found events; woken, found nothing; idle
+    assert waker.waits == [pytest.approx(0.05), pytest.approx(0.05), 2.0]
+
+
+def test_a_commit_that_sent_no_notify_is_relayed_within_the_window(monkeypatch):
+    """PostgreSQL, end to end: a process commits an event, then, once the relay has sent
+    it and gone back to sleep, a second one within ``NOTIFY_WINDOW`` of the first: only the
+    first commit sends a NOTIFY, and the relay (polling every 120 s, so every 12 s after a
+    pass that found events) still publishes the second within about the window."""
+    from django_outbox.relay import wake
+
+    if connection.vendor != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    monkeypatch.setattr(wake, "NOTIFY_WINDOW", 1.0)
+    monkeypatch.setattr(wake, "_last_notify", {})
+    listener = wake.PostgresNotifyWaker(threading.Event(), "default", "django_outbox")
+    raw = listener._listen()
+    relay, stop = make_relay(db_thread=False), threading.Event()
+    thread = db_thread(relay.run, stop=stop, interval=120.0, waker=wake.make_waker("default", stop))
+    thread.start()
+    try:
+        time.sleep(0.5)  # the relay's first pass found nothing: it listens and sleeps
+        emit_many(1)
+        assert wait_for(lambda: OutboxEvent.objects.sent().count() == 1, timeout=10)
+        emit_many(1)  # within the window: no NOTIFY
+        committed = time.monotonic()
+        assert wait_for(lambda: OutboxEvent.objects.sent().count() == 2, timeout=20)
+        took = time.monotonic() - committed
+        notifies = sum(1 for _ in range(3) if listener._received(raw, 0.2))
+    finally:
+        stop.set()
+        thread.join(10)
+        listener.close()
+    assert notifies == 1
+    assert took < 5, f"{took:.1f} s: the second event waited for the busy poll"
 
 
 def test_the_batch_size_is_chosen_per_database_when_unset(settings):

@@ -55,7 +55,9 @@ LEASE_MARGIN = 5.0
 
 #: After a pass that found events, the relay looks again after this fraction of the poll
 #: interval: events that keep coming are picked up within a tenth of it (polling is all
-#: MySQL/MariaDB and SQLite have), and an idle relay still polls at the interval.
+#: MySQL/MariaDB and SQLite have), and an idle relay still polls at the interval. With
+#: LISTEN/NOTIFY, sooner still after a pass that was woken or found events: the waker's
+#: ``recheck`` (see relay.wake, the NOTIFY window).
 BUSY_POLL_FRACTION = 0.1
 
 
@@ -340,6 +342,7 @@ class Relay:
         interval = outbox_settings.POLL_INTERVAL if interval is None else interval
         waker = waker or make_waker(self.using, stop)
         total = PassResult()
+        woken = False  # the last wait was ended by a wake-up
         if self._run_lanes is None and self._can_use_a_thread():
             # One set of lanes (and database connections) for every drain of this run.
             self._run_lanes = self._new_lanes()
@@ -353,6 +356,7 @@ class Relay:
         )
 
         def one_pass() -> bool:
+            nonlocal woken
             self._tidy()
             self.beat()
             remaining = None if max_events is None else max_events - total.found
@@ -363,7 +367,10 @@ class Relay:
             if result.found:
                 logger.info("[%s] %s", self.job, result.summary())
             self._tidy()
-            waker.wait(interval * BUSY_POLL_FRACTION if result.found else interval)
+            if result.found or woken:
+                woken = waker.wait(min(interval * BUSY_POLL_FRACTION, waker.recheck))
+            else:
+                woken = waker.wait(interval)
             return False
 
         def fail_over(exc: Exception) -> bool:
