@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from decimal import Decimal
 
@@ -19,6 +21,7 @@ from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.querysets import CLAIM_FIELDS
 from django_outbox.relay import BrokerOutage, Stage
+from django_outbox.relay.wake import Waker
 from django_outbox.retry import FixedRetryPolicy, ScheduleRetryPolicy
 from tests.utils.relay import make_relay
 from tests.utils.rows import expire_leases
@@ -568,26 +571,45 @@ def test_releasing_a_batch_another_relay_took_over_changes_nothing_and_says_so(c
     assert relay.release(batch) == 0  # once released, a batch holds nothing
 
 
+class RecordingWaker(Waker):
+    """Records each wait's timeout instead of sleeping; at the ``n``-th wait (from 1) runs
+    ``at.get(n)``, says a wake-up ended it if ``n`` is in ``woken``, and stops the relay
+    at ``stop_at``."""
+
+    def __init__(
+        self,
+        stop: threading.Event,
+        *,
+        stop_at: int,
+        recheck: float = math.inf,
+        woken: Collection[int] = (),
+        at: Mapping[int, Callable[[], object]] | None = None,
+    ) -> None:
+        super().__init__(stop)
+        self.waits: list[float] = []
+        self._recheck, self.stop_at, self.woken, self.at = recheck, stop_at, woken, at or {}
+
+    @property
+    def recheck(self) -> float:
+        return self._recheck
+
+    def wait(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        n = len(self.waits)
+        if n in self.at:
+            self.at[n]()
+        if n == self.stop_at:
+            self.stop.set()
+        return n in self.woken
+
+
 def test_after_a_pass_that_found_events_the_relay_looks_again_sooner():
     """Polling (MySQL/MariaDB, SQLite): events that keep coming wait a tenth of the poll
     interval, not all of it; an idle relay still sleeps the whole interval."""
-    from django_outbox.relay.wake import Waker
-
-    class Recording(Waker):
-        def __init__(self, stop: threading.Event) -> None:
-            super().__init__(stop)
-            self.waits: list[float] = []
-
-        def wait(self, timeout: float) -> None:
-            self.waits.append(timeout)
-            if len(self.waits) == 1:
-                emit_many(1)  # one more event arrives while the relay sleeps
-            elif len(self.waits) == 3:
-                self.stop.set()
-
     emit_many(3)
     stop = threading.Event()
-    waker = Recording(stop)
+    # One more event arrives while the relay sleeps the first time.
+    waker = RecordingWaker(stop, stop_at=3, at={1: lambda: emit_many(1)})
     total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
     assert total.sent == 4
     assert waker.waits == [pytest.approx(0.2), pytest.approx(0.2), 2.0]
@@ -598,26 +620,9 @@ def test_after_a_wake_up_the_relay_looks_again_within_the_waker_s_recheck():
     relay having taken the events) or that found events, the relay looks again within the
     waker's ``recheck`` (the NOTIFY window): a commit that sent no NOTIFY because its
     process had just sent one is found that soon. Idle again, it sleeps the interval."""
-    from django_outbox.relay.wake import Waker
-
-    class Recording(Waker):
-        @property
-        def recheck(self) -> float:
-            return 0.05
-
-        def __init__(self, stop: threading.Event) -> None:
-            super().__init__(stop)
-            self.waits: list[float] = []
-
-        def wait(self, timeout: float) -> bool:
-            self.waits.append(timeout)
-            if len(self.waits) == 3:
-                self.stop.set()
-            return len(self.waits) == 1  # a NOTIFY ends the first sleep
-
     emit_many(2)
     stop = threading.Event()
-    waker = Recording(stop)
+    waker = RecordingWaker(stop, stop_at=3, recheck=0.05, woken={1})  # a NOTIFY ends sleep 1
     total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
     assert total.sent == 2
     # found events; woken, found nothing; idle
