@@ -90,6 +90,11 @@ def stale_source(stale_after: float) -> Callable[[OutboxEventQuerySet], OutboxEv
     return source
 
 
+def _unavailable(exc: BrokerUnavailable) -> str:
+    """What a row records when the broker could not be reached to publish it."""
+    return f"broker unavailable: {exc}"
+
+
 def _attempt_error(result: PublishResult) -> str:
     """What a failed attempt records in ``last_error``: ``[reason] error``."""
     return f"[{result.reason.value if result.reason else 'error'}] {result.error}"
@@ -496,8 +501,7 @@ class Relay:
         except Exception as exc:
             if first and isinstance(exc, BrokerUnavailable):
                 # Nothing of the batch is out: give it all back, as for a whole batch.
-                self.release(batch, f"broker unavailable: {exc}")
-                raise BrokerOutage(str(exc)) from exc
+                raise self._outage(batch, exc) from exc
             batch.resolve(indices, self._failure(exc, len(indices), "publishing"))
             return
         self._outstanding.append((batch, indices))
@@ -516,7 +520,7 @@ class Relay:
         library error) is counted against the rows, which may be what triggers it, rather
         than looped on forever."""
         if isinstance(exc, BrokerUnavailable):
-            return PublishResult.failed(Reason.CONNECTION_LOST, f"broker unavailable: {exc}")
+            return PublishResult.failed(Reason.CONNECTION_LOST, _unavailable(exc))
         logger.error("[%s] backend raised while %s %d events", self.job, doing, count, exc_info=exc)
         return PublishResult.failed(Reason.ERROR, error_text(exc))
 
@@ -533,10 +537,15 @@ class Relay:
         try:
             return call(*args)
         except BrokerUnavailable as exc:
-            self.release(batch, f"broker unavailable: {exc}")
-            raise BrokerOutage(str(exc)) from exc
+            raise self._outage(batch, exc) from exc
         except Exception as exc:
             return [self._failure(exc, len(batch.rows), "publishing")] * len(batch.rows)
+
+    def _outage(self, batch: Batch, exc: BrokerUnavailable) -> BrokerOutage:
+        """The broker cannot be reached with nothing of ``batch`` out: its rows are given
+        back (no attempt counted) and the outage returned for the caller to raise."""
+        self.release(batch, _unavailable(exc))
+        return BrokerOutage(str(exc))
 
     def _ensure_open(self) -> None:
         if not self._opened:
