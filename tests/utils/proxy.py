@@ -6,7 +6,8 @@ Tests never stop the shared RabbitMQ; they connect through this proxy and call
 or :meth:`TcpProxy.pause` to stop forwarding broker-to-client bytes while the connection
 stays up (a broker that never answers: confirm timeouts) until :meth:`TcpProxy.resume`.
 :meth:`TcpProxy.hold_upstream_after` lets only so many more client-to-broker bytes through,
-so a test knows part of what it sent never reached the broker.
+so a test knows part of what it sent never reached the broker. :meth:`TcpProxy.wait_quiet`
+waits until nothing has passed either way for a while: the client has read every answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -32,6 +34,7 @@ class TcpProxy:
         self._upstream_open = threading.Event()
         self._upstream_open.set()
         self.downstream_bytes = 0  # broker->client bytes forwarded so far
+        self._last_traffic = time.monotonic()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @classmethod
@@ -66,6 +69,7 @@ class TcpProxy:
     def _pipe(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
         try:
             while data := source.recv(65536):
+                self._last_traffic = time.monotonic()
                 if upstream:
                     while data:
                         n = self._allowance(len(data))
@@ -75,12 +79,25 @@ class TcpProxy:
                 self._downstream.wait()
                 self.downstream_bytes += len(data)
                 sink.sendall(data)
+                self._last_traffic = time.monotonic()
         except OSError:
             pass
         finally:
             for s in (source, sink):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+    def wait_quiet(self, seconds: float = 0.5, timeout: float = 30.0) -> bool:
+        """Wait until no byte has passed either way for ``seconds`` (False after ``timeout``).
+
+        Seeing a client's commit from another connection does not mean the client has read
+        the server's answer to it; once the proxy has been quiet, it has."""
+        deadline = time.monotonic() + timeout
+        while (quiet := time.monotonic() - self._last_traffic) < seconds:
+            if time.monotonic() + seconds - quiet > deadline:
+                return False
+            time.sleep(seconds - quiet)
+        return True
 
     def cut(self) -> None:
         """Drop every connection made through the proxy so far."""
