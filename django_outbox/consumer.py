@@ -29,7 +29,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -641,6 +641,25 @@ def default_queue_name(handlers: Sequence[type[IdempotentHandler]] = ()) -> str:
     return "outbox.consumer"
 
 
+def _hand_back(channel: Any, deliveries: Iterator[Any]) -> None:
+    """Stop the consumer of ``channel`` and return every message it holds unacknowledged
+    (prefetched, or held through a database outage) to the queue, each once.
+
+    pika's ``cancel()`` rejects the prefetched messages before it cancels the consumer, so
+    RabbitMQ hands them straight back and they are rejected a second time: on a quorum queue
+    two deliveries of the limit per stop. Here the consumer is cancelled first, with nothing
+    left to reject, and one ``basic.nack`` returns what it held: a return counted once before
+    RabbitMQ 4.3, not at all from 4.3 (only ``basic.reject`` counts there).
+    """
+    # Take what pika has buffered off its hands (still unacknowledged at the broker), so
+    # that its cancel() has nothing to reject.
+    for _held in range(channel.get_waiting_message_count()):
+        next(deliveries)
+    channel.cancel()  # whatever arrives until the broker confirms is rejected by pika
+    # multiple=True with tag 0: every delivery of the channel not yet settled.
+    channel.basic_nack(delivery_tag=0, multiple=True, requeue=True)
+
+
 def queue_arguments(queue: str, *, queue_type: str, max_retries: int) -> dict[str, Any]:
     """Arguments of the consumer queue: dead-letter to ``<queue>.dlq`` via the default exchange."""
     arguments: dict[str, Any] = {
@@ -832,10 +851,9 @@ class Consumer:
     ) -> bool:
         """Consume on the open channel; True when the run is over."""
         channel = self._channel
+        deliveries = channel.consume(self.queue, inactivity_timeout=self.idle_timeout)
         try:
-            for method, properties, body in channel.consume(
-                self.queue, inactivity_timeout=self.idle_timeout
-            ):
+            for method, properties, body in deliveries:
                 if method is None:
                     if until_idle or stop.is_set():
                         return True
@@ -850,8 +868,7 @@ class Consumer:
                     return True
         finally:
             if channel.is_open:
-                # Hand prefetched, unacknowledged messages back to the queue.
-                channel.cancel()
+                _hand_back(channel, deliveries)
         return True
 
     _dead_lettered_last = False
@@ -902,9 +919,8 @@ class Consumer:
                 continue
             if not self._wait_for_database(stop, lost, backoff, properties.message_id):
                 # Not nacked here: the consumer still listens, the broker would hand the
-                # message straight back, and closing the channel would return it a second
-                # time (two deliveries counted). Cancelling the consumer, then closing the
-                # channel (what the caller does) returns it once.
+                # message straight back, and the stop would return it a second time (two
+                # deliveries counted). The caller's _hand_back() returns it once.
                 return None
 
     def _wait_for_database(
