@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,9 +27,40 @@ from .masking import mask_url
 VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
 
 
+#: The format of the handler a command adds when the project's ``LOGGING`` has none for
+#: the ``django_outbox`` loggers (the one the demo's settings use).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record comes, not as it was when the
+    handler was made (a test runner swaps it per test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def configure_logging(verbosity: int) -> None:
-    """Set the ``django_outbox`` loggers' level from a command's ``--verbosity``."""
-    logging.getLogger("django_outbox").setLevel(VERBOSITY_LEVELS.get(verbosity, logging.INFO))
+    """Set the ``django_outbox`` loggers' level from a command's ``--verbosity``, and give
+    them a handler on stderr when the project's ``LOGGING`` gives them none.
+
+    Without a handler, Python's last resort prints WARNING and above only, bare: the INFO
+    and DEBUG lines that ``-v 1`` and ``-v 2`` ask for would go nowhere. A project that
+    routes the loggers (or the root logger) anywhere keeps its own handlers alone.
+    """
+    logger = logging.getLogger("django_outbox")
+    logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.INFO))
+    if not logger.hasHandlers():
+        logger.addHandler(_StderrHandler())
 
 
 class Backoff:
