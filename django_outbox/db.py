@@ -30,12 +30,14 @@ class DbNow(Now):
         return self.as_sql(compiler, connection, template=template, **extra_context)
 
     def as_sqlite(self, compiler: Any, connection: Any, **extra_context: Any) -> Any:
-        if settings.USE_TZ:
-            return super().as_sqlite(compiler, connection, **extra_context)
         # Under USE_TZ = False Django's datetimes are naive local times in TIME_ZONE (it
         # sets the process's TZ to it), but SQLite's 'now' is UTC: read the clock in the
         # same local time, as PostgreSQL's session time zone does there.
-        template = "STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'now', 'localtime')"
+        local = "" if settings.USE_TZ else ", 'localtime'"
+        # Six digits of fraction, as Django writes a datetime and its date arithmetic
+        # returns one: SQLite compares them as text, and '.123' sorts before '.123000'
+        # (a row due now + 0 s would wait for the next millisecond).
+        template = f"(STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'now'{local}) || '000')"
         return self.as_sql(compiler, connection, template=template, **extra_context)
 
 

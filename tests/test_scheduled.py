@@ -17,6 +17,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection, transaction
+from django.db.models.lookups import LessThanOrEqual
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
@@ -25,6 +26,7 @@ from prometheus_client import REGISTRY
 from django_outbox import outbox, stats
 from django_outbox.backends import locmem
 from django_outbox.backends.base import Reason
+from django_outbox.db import DbNow
 from django_outbox.exceptions import InvalidEvent
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
@@ -94,6 +96,16 @@ def test_deliver_at_in_the_past_is_due_at_once_from_the_insert():
 def test_delay_zero_is_due_at_once():
     row = emit_one(delay=0)
     assert list(OutboxEvent.objects.due()) == [row]
+
+
+def test_the_clock_plus_nothing_is_not_later_than_the_clock():
+    """In one statement, so one clock reading. On SQLite, Django's Now() has milliseconds
+    ('.123') and its date arithmetic microseconds ('.123000'): compared as text the sum was
+    later, and a row emitted with delay=0 was not due until the next millisecond."""
+    emit_one()
+    clock_plus_nothing = DbNow() + timedelta(0)
+    row = OutboxEvent.objects.annotate(ok=LessThanOrEqual(clock_plus_nothing, DbNow())).get()
+    assert row.ok
 
 
 def test_an_event_without_a_schedule_has_no_due_at():
