@@ -1,9 +1,11 @@
 """Typed, lazy settings for django_outbox.
 
 Every setting is a flat ``OUTBOX_<NAME>`` entry in the project's settings module. Values
-are read from ``django.conf.settings`` each time they are used, never at import time, so
-``override_settings`` works in tests and nothing here needs Django to be configured at
-import. ``docs/settings.md`` documents each one; a test keeps the two in step.
+are read from ``django.conf.settings`` when first used, never at import time, and again
+after ``override_settings`` (pytest-django's ``settings`` fixture too) or a
+``setting_changed`` signal; nothing here needs Django to be configured at import. A plain
+assignment to ``django.conf.settings`` at run time is not seen, as by Django's own caches.
+``docs/settings.md`` documents each one; a test keeps the two in step.
 """
 
 from __future__ import annotations
@@ -50,13 +52,41 @@ class Setting(Generic[T]):
             return self
         from django.conf import settings as django_settings
 
-        value = getattr(django_settings, self.setting_name, _MISSING)
+        # Each setting is looked up once per settings object: one the project leaves out
+        # costs Django's two exceptions per read, and emit() reads two on every call.
+        # override_settings (pytest-django's fixture too) puts another object in place;
+        # setting_changed clears the values read (reset_caches()).
+        lazy: Any = django_settings
+        source = lazy._wrapped
+        if source is not _read.source:
+            _read.values.clear()
+            _read.source = source
+        value = _read.values.get(self.name, _UNREAD)
+        if value is _UNREAD:
+            value = getattr(django_settings, self.setting_name, _MISSING)
+            if source is lazy._wrapped:  # (else it was read before the setup)
+                _read.values[self.name] = value
         if value is _MISSING:
-            return copy.deepcopy(self.default)
+            default = self.default
+            if isinstance(default, (list, dict, set)):
+                return copy.deepcopy(default)  # type: ignore[no-any-return]
+            return default
         return value  # type: ignore[no-any-return]
 
 
+class _Read:
+    """The values read from one settings object: the project's, or _MISSING."""
+
+    def __init__(self) -> None:
+        self.source: object = None
+        self.values: dict[str, Any] = {}
+
+
+_read = _Read()
+
+
 _MISSING: Any = object()
+_UNREAD: Any = object()
 
 DEFAULT_RETRY_SCHEDULE: tuple[float, ...] = (1, 5, 30, 120, 900, 3600, 21600)
 
@@ -307,6 +337,7 @@ outbox_settings = OutboxSettings()
 
 def reset_caches(**kwargs: Any) -> None:
     """Clear everything derived from settings (connected to ``setting_changed``)."""
+    _read.values.clear()
     for hook in _reset_hooks:
         hook()
 

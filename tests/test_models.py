@@ -168,6 +168,32 @@ def test_settings_are_read_lazily(settings):
     assert outbox_settings.BATCH_SIZE == 7
 
 
+def test_a_setting_is_looked_up_once_until_a_setting_changes(settings, monkeypatch):
+    """A setting the project leaves out cost Django's settings object two exceptions on
+    every read; emit() reads two. Read once, then again only after a change, which
+    override_settings and pytest-django's fixture announce with setting_changed."""
+    from django.conf import LazySettings
+
+    from django_outbox.conf import outbox_settings
+
+    settings.OUTBOX_BATCH_SIZE = 7  # any OUTBOX_ setting changed: everything is read anew
+    lookups: list[str] = []
+    missing = LazySettings.__getattr__
+
+    def counting(self: LazySettings, name: str) -> object:
+        lookups.append(name)
+        return missing(self, name)
+
+    monkeypatch.setattr(LazySettings, "__getattr__", counting)
+    for _ in range(3):
+        assert outbox_settings.MAX_PAYLOAD_BYTES == 256 * 1024
+    assert lookups.count("OUTBOX_MAX_PAYLOAD_BYTES") == 1
+    settings.OUTBOX_MAX_PAYLOAD_BYTES = 10
+    assert outbox_settings.MAX_PAYLOAD_BYTES == 10
+    del settings.OUTBOX_MAX_PAYLOAD_BYTES
+    assert outbox_settings.MAX_PAYLOAD_BYTES == 256 * 1024
+
+
 def test_mutable_defaults_are_not_shared():
     from django_outbox.conf import outbox_settings
 
