@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import DatabaseError, connections, models
 from django.db.models import sql
 from django.db.models.base import ModelState
@@ -118,8 +119,8 @@ def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None
     returning = connection.features.can_return_rows_from_bulk_insert
     fields, head, tail = _insert_sql(model, using, connection.vendor, returning)
     compiler: Any = None
-    # Expressions compiled once per call: every Now() (DbNow()) is the same SQL, and the
-    # others are compiled per object (a scheduled row's due time caches its own SQL).
+    # Expressions other than the clock compiled once per call and object (a scheduled
+    # row's due time caches its own SQL).
     compiled: dict[Any, tuple[str, Sequence[Any]]] = {}
     batch = max(1, connection.ops.bulk_batch_size([f for f, _, _ in fields], objs))
     attname = model._meta.pk.attname
@@ -138,15 +139,20 @@ def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None
                         continue
                     if isinstance(value, DatabaseDefault):
                         value = field.db_default
-                    if hasattr(value, "resolve_expression"):
-                        key = type(value) if isinstance(value, Now) else id(value)
+                    if isinstance(value, Now):
+                        # The clock: the same SQL for every row and call on this database.
+                        clock: Any = type(value)
+                        fragment, fragment_params = _now_sql(
+                            model, using, connection.vendor, clock, settings.USE_TZ
+                        )
+                        placeholders.append(fragment)
+                        params.extend(fragment_params)
+                    elif hasattr(value, "resolve_expression"):
+                        key = id(value)
                         if key not in compiled:
                             if compiler is None:
                                 compiler = sql.InsertQuery(model).get_compiler(using=using)
-                            resolved = value.resolve_expression(
-                                compiler.query, allow_joins=False, for_save=True
-                            )
-                            compiled[key] = compiler.compile(resolved)
+                            compiled[key] = _compile(compiler, value)
                         fragment, fragment_params = compiled[key]
                         placeholders.append(fragment)
                         params.extend(fragment_params)
@@ -161,6 +167,21 @@ def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None
     for obj in objs:
         obj._state.adding = False
         obj._state.db = using
+
+
+def _compile(compiler: Any, value: Any) -> tuple[str, Sequence[Any]]:
+    resolved = value.resolve_expression(compiler.query, allow_joins=False, for_save=True)
+    return compiler.compile(resolved)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _now_sql(
+    model: type[models.Model], using: str, vendor: str, now: Any, use_tz: bool
+) -> tuple[str, Sequence[Any]]:
+    """The SQL of ``now()`` (a ``Now`` subclass) in an INSERT of ``model`` on database
+    ``using`` (of ``vendor``): it depends on nothing else (``USE_TZ`` picks the clock on
+    some databases)."""
+    return _compile(sql.InsertQuery(model).get_compiler(using=using), now())
 
 
 def has_commit_hook(conn: Any, func: Any) -> bool:
