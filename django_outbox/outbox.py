@@ -32,7 +32,7 @@ from django.db import IntegrityError, connections, models, transaction
 from django.utils import timezone
 
 from . import tracing
-from ._compat.django import has_commit_hook, innermost_atomic, insert_rows
+from ._compat.django import PREPARED, has_commit_hook, innermost_atomic, insert_rows
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
 from .message import is_reserved_header
@@ -357,6 +357,11 @@ def build_event(
         headers=header_values,
         occurred_at=occurred_at,
     )
+    # The INSERT writes the payload as checked here, not serialised again from the row's
+    # dict (which the caller may still change). Escaped where it is not ASCII, as the
+    # JSONField writes it: a MySQL connection in utf8 (Django's default there) cannot
+    # carry a 4-byte character.
+    setattr(event, PREPARED, {"payload": body if body.isascii() else json.dumps(event.payload)})
     # Here, at emit time, not at relay time: each event keeps the context of the request
     # that wrote it, however its batch is made up later.
     tracing.capture(event)

@@ -174,6 +174,18 @@ def test_explicit_fields_are_kept():
     }
 
 
+@pytest.mark.parametrize("text", ["plain", "ü😀"])
+def test_the_payload_is_written_as_emit_checked_it(text):
+    """The row holds the payload as it was when emit() checked it, also where its text is
+    not ASCII: a change to the dict before the block writes its rows is not written (it
+    was not checked: it could be too large, or not JSON at all)."""
+    with outbox.atomic() as box:
+        event = box.emit("X", payload={"text": text, "items": [1, 2]})
+        event.payload["items"].append(object())
+        event.payload["extra"] = "x" * 300_000
+    assert OutboxEvent.objects.get().payload == {"text": text, "items": [1, 2]}
+
+
 def test_using_selects_the_alias():
     with outbox.atomic(using="default") as box:
         box.emit("X", payload={})

@@ -16,7 +16,8 @@
 * :func:`insert_rows`: unsaved instances written as ``bulk_create()`` writes them (one
   INSERT where the database allows, the field's ``pre_save()`` and ``get_db_prep_save()``,
   expressions compiled by an ``InsertQuery``'s compiler, primary keys from ``RETURNING``
-  where ``can_return_rows_from_bulk_insert``, ``_state`` as saved) without the rest of
+  where ``can_return_rows_from_bulk_insert``, ``_state`` as saved; a value the instance
+  carries prepared already, under :data:`PREPARED`, written as it is) without the rest of
   ``bulk_create()``'s work per call: on an ``emit()`` of one event, ``bulk_create()`` spent
   more time in Python than the database spent on the INSERT.
 * :func:`has_commit_hook`: whether a function is among a connection's ``on_commit`` hooks,
@@ -83,6 +84,13 @@ _PLAIN_FIELDS = (models.CharField, models.TextField, models.IntegerField)
 _PLAIN_TYPES = (str, int)
 
 
+#: An instance attribute: a dict of attname -> the value as the database takes it
+#: (``get_db_prep_save()``'s result), for fields whose value the caller has prepared already
+#: (:func:`insert_rows` writes it as it is).
+PREPARED = "_prepared_for_db"
+_NOTHING: dict[str, Any] = {}
+
+
 def _prepare(field: Any) -> tuple[Any, bool, bool]:
     """(field, whether its value comes from ``pre_save()``, whether it is plain)."""
     pre_save = type(field).pre_save not in (
@@ -131,7 +139,12 @@ def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None
             params: list[Any] = []
             for obj in chunk:
                 placeholders = []
+                ready = obj.__dict__.get(PREPARED, _NOTHING)
                 for field, pre_save, plain in fields:
+                    if field.attname in ready:
+                        placeholders.append("%s")
+                        params.append(ready[field.attname])
+                        continue
                     value = field.pre_save(obj, True) if pre_save else getattr(obj, field.attname)
                     if plain and (value is None or type(value) in _PLAIN_TYPES):
                         placeholders.append("%s")
