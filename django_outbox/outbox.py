@@ -357,14 +357,18 @@ def build_event(
         headers=header_values,
         occurred_at=occurred_at,
     )
-    # The INSERT writes the payload as checked here, not serialised again from the row's
-    # dict (which the caller may still change). Escaped where it is not ASCII, as the
-    # JSONField writes it: a MySQL connection in utf8 (Django's default there) cannot
-    # carry a 4-byte character.
-    setattr(event, PREPARED, {"payload": body if body.isascii() else json.dumps(event.payload)})
     # Here, at emit time, not at relay time: each event keeps the context of the request
     # that wrote it, however its batch is made up later.
     tracing.capture(event)
+    # The INSERT writes the payload and headers as checked here, not serialised again from
+    # the row's dicts (which the caller may still change). Escaped where not ASCII, as the
+    # JSONField writes them: a MySQL connection in utf8 (Django's default there) cannot
+    # carry a 4-byte character.
+    prepared = {
+        "payload": body if body.isascii() else json.dumps(event.payload),
+        "headers": json.dumps(event.headers) if event.headers else "{}",
+    }
+    setattr(event, PREPARED, prepared)
     return event
 
 

@@ -175,15 +175,22 @@ def test_explicit_fields_are_kept():
 
 
 @pytest.mark.parametrize("text", ["plain", "ü😀"])
-def test_the_payload_is_written_as_emit_checked_it(text):
-    """The row holds the payload as it was when emit() checked it, also where its text is
-    not ASCII: a change to the dict before the block writes its rows is not written (it
-    was not checked: it could be too large, or not JSON at all)."""
+def test_the_payload_and_headers_are_written_as_emit_checked_them(text):
+    """The row holds the payload and headers as they were when emit() checked them, also
+    where their text is not ASCII: a change to the dicts before the block writes its rows
+    is not written (it was not checked: too large, not JSON, a reserved header)."""
     with outbox.atomic() as box:
-        event = box.emit("X", payload={"text": text, "items": [1, 2]})
+        event = box.emit("X", payload={"text": text, "items": [1, 2]}, headers={"h": text})
+        bare = box.emit("Y", payload={})
         event.payload["items"].append(object())
         event.payload["extra"] = "x" * 300_000
-    assert OutboxEvent.objects.get().payload == {"text": text, "items": [1, 2]}
+        event.headers["x-death"] = 1.5
+        bare.headers["x-death"] = 1.5
+    rows = OutboxEvent.objects.order_by("id")
+    assert [(r.payload, r.headers) for r in rows] == [
+        ({"text": text, "items": [1, 2]}, {"h": text}),
+        ({}, {}),
+    ]
 
 
 def test_using_selects_the_alias():
