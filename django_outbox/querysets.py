@@ -26,6 +26,7 @@ nothing that another relay has claimed or settled since.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import uuid
@@ -581,11 +582,24 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             "sent_at": None,
             **fields,
         }
-        # Positionally, in the columns' order, as Model.from_db() builds a row: every
-        # field is given, and the keyword form's per-field lookups took longer than the
-        # rest of emit()'s checks together.
+        # Positionally, in the columns' order, as Model.from_db() builds a row: the
+        # keyword form's per-field lookups took longer than the rest of emit()'s checks.
         model: Any = self.model
-        return model(*[values[name] for name in _attnames(model)])  # type: ignore[no-any-return]
+        names = _attnames(model)
+        if len(values) == len(names):
+            with contextlib.suppress(KeyError):
+                return model(*[values[name] for name in names])  # type: ignore[no-any-return]
+        unknown = sorted(values.keys() - set(names))
+        if unknown:
+            raise TypeError(f"new_pending() got fields OutboxEvent does not have: {unknown}")
+        # Fields the caller left out (emit() gives them all) get their defaults, as
+        # Model(**fields) gives them.
+        return model(  # type: ignore[no-any-return]
+            *[
+                values[field.attname] if field.attname in values else field.get_default()
+                for field in model._meta.concrete_fields
+            ]
+        )
 
     def held_by(self, token: str) -> OutboxEventQuerySet:
         """Rows still PENDING under the claim ``token``: the fence of every settle."""

@@ -49,6 +49,20 @@ def assert_just_changed(row: OutboxEvent) -> OutboxEvent:
     return row
 
 
+def test_a_new_row_is_pending_due_now_and_takes_the_defaults_of_what_it_is_not_given():
+    from django_outbox._compat.django import insert_rows
+
+    row = OutboxEvent.objects.new_pending(
+        event_id="e-1", event_type="X", payload={"a": 1}, occurred_at=db_now()
+    )
+    assert (row.pk, row.status, row.retry_count, row.replay_count) == (None, Status.PENDING, 0, 0)
+    assert (row.headers, row.aggregate_type, row.lease_token, row.last_error) == ({}, "", "", "")
+    insert_rows(OutboxEvent, "default", [row])
+    assert OutboxEvent.objects.due().get().event_id == "e-1"
+    with pytest.raises(TypeError, match=r"does not have: \['colour'\]"):
+        OutboxEvent.objects.new_pending(event_id="e-2", event_type="X", payload={}, colour=1)
+
+
 def test_sent_stamps_updated_at():
     row = old_row()
     Relay(backend=locmem.LocmemBackend()).drain()
