@@ -26,7 +26,6 @@ nothing that another relay has claimed or settled since.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 import uuid
@@ -74,9 +73,13 @@ _Q = TypeVar("_Q", bound="BatchedQuerySet[Any]")
 
 
 @functools.cache
-def _attnames(model: type[models.Model]) -> tuple[str, ...]:
-    """The attribute names of ``model``'s columns, in the order ``Model(*values)`` takes."""
-    return tuple(field.attname for field in model._meta.concrete_fields)
+def _columns(model: type[models.Model]) -> tuple[tuple[tuple[str, Any], ...], frozenset[str]]:
+    """``model``'s columns as (attname, field), in the order ``Model(*values)`` takes them,
+    and the set of their attnames."""
+    fields = model._meta.concrete_fields
+    return tuple((field.attname, field) for field in fields), frozenset(
+        field.attname for field in fields
+    )
 
 
 def _seconds(value: float | timedelta) -> timedelta:
@@ -585,20 +588,14 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         # Positionally, in the columns' order, as Model.from_db() builds a row: the
         # keyword form's per-field lookups took longer than the rest of emit()'s checks.
         model: Any = self.model
-        names = _attnames(model)
-        if len(values) == len(names):
-            with contextlib.suppress(KeyError):
-                return model(*[values[name] for name in names])  # type: ignore[no-any-return]
-        unknown = sorted(values.keys() - set(names))
-        if unknown:
+        columns, names = _columns(model)
+        if not values.keys() <= names:
+            unknown = sorted(values.keys() - names)
             raise TypeError(f"new_pending() got fields OutboxEvent does not have: {unknown}")
-        # Fields the caller left out (emit() gives them all) get their defaults, as
-        # Model(**fields) gives them.
+        # A field the caller leaves out (emit() gives them all) gets its default, as with
+        # Model(**fields).
         return model(  # type: ignore[no-any-return]
-            *[
-                values[field.attname] if field.attname in values else field.get_default()
-                for field in model._meta.concrete_fields
-            ]
+            *[values[name] if name in values else field.get_default() for name, field in columns]
         )
 
     def held_by(self, token: str) -> OutboxEventQuerySet:
