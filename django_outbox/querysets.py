@@ -334,23 +334,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered
         with transaction.atomic(using=self.db):
-            candidates = ordering.heads_only(self, ordered, dead_head)
-            if connections[self.db].vendor == "postgresql":
-                rows = self._lease_returning(candidates, limit, lease_seconds, token)
-            else:
-                locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
-                query = locked.values_list(*CLAIM_FIELDS).query
-                rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
-                if rows:
-                    self.model._default_manager.using(self.db).with_ids(
-                        [row.pk for row in rows]
-                    ).update(
-                        leased_until=DbNow() + _seconds(lease_seconds),
-                        lease_token=token,
-                        updated_at=DbNow(),
-                    )
-            if rows and ordered:
-                self._previous_sequences(rows, ordered)
+            rows = self._claim_heads(limit, lease_seconds, token, ordered, dead_head)
             if ordered and run > 1 and len(rows) < limit and (rows or after):
                 rows = self._claim_runs(
                     rows, limit - len(rows), run, lease_seconds, token, ordered, dead_head, after
@@ -358,6 +342,35 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         for row in rows:
             row.lease_token = token
         return token, rows
+
+    def _claim_heads(
+        self,
+        limit: int,
+        lease_seconds: float,
+        token: str,
+        ordered: bool | Sequence[str],
+        dead_head: str | None,
+    ) -> list[OutboxEvent]:
+        """Lease up to ``limit`` rows, oldest first: unordered rows and ordered heads (with
+        their ``previous_sequence``). In the caller's transaction."""
+        candidates = ordering.heads_only(self, ordered, dead_head)
+        if connections[self.db].vendor == "postgresql":
+            rows = self._lease_returning(candidates, limit, lease_seconds, token)
+        else:
+            locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
+            query = locked.values_list(*CLAIM_FIELDS).query
+            rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
+            if rows:
+                self.model._default_manager.using(self.db).with_ids(
+                    [row.pk for row in rows]
+                ).update(
+                    leased_until=DbNow() + _seconds(lease_seconds),
+                    lease_token=token,
+                    updated_at=DbNow(),
+                )
+        if rows and ordered:
+            self._previous_sequences(rows, ordered)
+        return rows
 
     def _lease_returning(
         self, candidates: OutboxEventQuerySet, limit: int, lease_seconds: float, token: str
