@@ -9,13 +9,15 @@ Two backlogs, each drained once unordered (the baseline) and once with ``OUTBOX_
   and a run behind it (``OUTBOX_ORDERED_RUN``), published one event at a time, each after
   the previous one's confirm: the rate is bounded by the broker's confirm round trip
   (``--run 1``: heads only, one claim-publish-confirm-settle round trip per event).
+  ``--behind N`` queues N more events of the hot aggregate behind the 5,000 drained (a
+  backlog after an outage): what each claim costs as the backlog grows.
 
 It runs in its own database (created next to ``DATABASE_URL``'s, migrated, dropped at the
 end) and its own exchange and queue (deleted at the end)::
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test python -m bench.ordered_bench
         [--smoke] [--aggregates 1000] [--events 20] [--hot 5000] [--batch-size 100]
-        [--repeat 1] [--run 100]
+        [--repeat 1] [--run 100] [--behind 0]
 """
 
 from __future__ import annotations
@@ -97,9 +99,17 @@ def write_backlog(aggregates: int, events: int, seed: int = 9) -> int:
 
 
 def drain_rate(
-    aggregates: int, events: int, *, ordered: bool, url: str, batch_size: int, run: int = 100
+    aggregates: int,
+    events: int,
+    *,
+    ordered: bool,
+    url: str,
+    batch_size: int,
+    run: int = 100,
+    behind: int = 0,
 ) -> float:
-    """Events/s of one relay draining the backlog (writing it is not measured)."""
+    """Events/s of one relay draining the backlog (writing it is not measured); with
+    ``behind`` (one aggregate), as many more events left queued behind the ones drained."""
     from django.test.utils import override_settings
 
     from django_outbox.backends.pika import PikaBackend
@@ -107,7 +117,16 @@ def drain_rate(
     from django_outbox.relay import Relay
 
     OutboxEvent.objects.all().delete()
-    count = write_backlog(aggregates, events)
+    count = write_backlog(aggregates, events + behind) - behind
+    if behind:
+        from django.db import connection
+
+        # Fresh statistics, as autovacuum would have them for a backlog that built up.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"ANALYZE {'TABLE ' if connection.vendor == 'mysql' else ''}"
+                f"{OutboxEvent._meta.db_table}"
+            )
     with (
         bench_exchange(url, prefix="bench.ordered") as exchange,
         override_settings(OUTBOX_ORDERED=ordered, OUTBOX_ORDERED_RUN=run),
@@ -117,10 +136,10 @@ def drain_rate(
         relay._opened = True
         try:
             with Stopwatch() as t:
-                result = relay.drain()
+                result = relay.drain(max_events=count)
         finally:
             relay.close()
-    if result.sent != count or OutboxEvent.objects.pending().exists():
+    if result.sent != count or OutboxEvent.objects.pending().count() != behind:
         raise RuntimeError(f"drained {result.summary()} of {count} events")
     return count / t.seconds
 
@@ -133,6 +152,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=100)
     p.add_argument(
         "--run", type=int, default=100, help="OUTBOX_ORDERED_RUN (1: heads only, as before runs)"
+    )
+    p.add_argument(
+        "--behind", type=int, default=0, help="events queued behind the hot aggregate's drain"
     )
     args = p.parse_args()
     if args.smoke:
@@ -149,17 +171,25 @@ def main() -> None:
         f"OUTBOX_ORDERED_RUN {args.run}",
         flush=True,
     )
+    hot_behind = f", {args.behind:,} behind" if args.behind else ""
     try:
         for label, aggregates, events in (
             (f"many aggregates ({args.aggregates} x {args.events})", args.aggregates, args.events),
-            (f"hot aggregate (1 x {args.hot})", 1, args.hot),
+            (f"hot aggregate (1 x {args.hot}{hot_behind})", 1, args.hot),
         ):
+            behind = args.behind if aggregates == 1 else 0
             count = aggregates * events
             rates = {
                 ordered: best_of(
                     args.repeat,
-                    lambda a=aggregates, e=events, o=ordered: drain_rate(
-                        a, e, ordered=o, url=args.url, batch_size=args.batch_size, run=args.run
+                    lambda a=aggregates, e=events, o=ordered, b=behind: drain_rate(
+                        a,
+                        e,
+                        ordered=o,
+                        url=args.url,
+                        batch_size=args.batch_size,
+                        run=args.run,
+                        behind=b,
                     ),
                 )
                 for ordered in (False, True)

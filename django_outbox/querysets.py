@@ -302,6 +302,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         dead_head: str | None = None,
         run: int = 1,
         after: Sequence[OutboxEvent] = (),
+        heads: bool = True,
     ) -> tuple[str, list[OutboxEvent]]:
         """Lease up to ``limit`` rows of this queryset, oldest first, for one relay pass.
 
@@ -330,11 +331,19 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         ``after``: rows of an earlier claim that this relay has seen confirmed and not yet
         settled (the last event of each run of its last batch); their aggregates' next
         events are taken as runs too, as if they followed a head of this claim.
+
+        ``heads=False``: only those runs behind ``after``; no unordered row and no head is
+        looked for. Finding heads reads every unsent ordered row (they are grouped by
+        aggregate), so its cost follows the backlog, while continuing a run reads only the
+        run; the relay leaves the search out of some of its claims behind runs
+        (:data:`django_outbox.relay.pipeline.HEADS_EVERY`).
         """
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered
         with transaction.atomic(using=self.db):
-            rows = self._claim_heads(limit, lease_seconds, token, ordered, dead_head)
+            rows = (
+                self._claim_heads(limit, lease_seconds, token, ordered, dead_head) if heads else []
+            )
             if ordered and run > 1 and len(rows) < limit and (rows or after):
                 rows = self._claim_runs(
                     rows, limit - len(rows), run, lease_seconds, token, ordered, dead_head, after

@@ -14,6 +14,7 @@ from django_outbox.backends import locmem
 from django_outbox.backends.base import PublishResult, Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay.batch import Batch
+from django_outbox.relay.lanes import INLINE
 from django_outbox.stats import db_now
 from tests.utils.relay import make_relay
 from tests.utils.rows import expire_leases, make_events
@@ -131,6 +132,26 @@ def test_a_claim_after_confirmed_rows_continues_their_runs():
     assert [row.previous_sequence for row in more] == ids(made[2:5])  # type: ignore[attr-defined]
 
 
+def test_a_claim_without_heads_only_continues_the_runs_behind_after():
+    made = hot(6)
+    first = claim(run=3)
+    waiting = [*rows(("O", "b")), *rows({"aggregate_id": ""})]  # a head, an unordered event
+    _token, more = OutboxEvent.objects.due().claim(
+        100, lease_seconds=60, run=3, ordered=True, after=[first[-1]], heads=False
+    )
+    assert ids(more) == ids(made[3:6])
+    assert ids(claim()) == ids(waiting)  # left due for a claim that looks for heads
+
+
+def test_a_claim_without_heads_and_nothing_to_continue_takes_nothing():
+    hot(2)
+    _token, claimed = OutboxEvent.objects.due().claim(
+        100, lease_seconds=60, run=3, ordered=True, heads=False
+    )
+    assert claimed == []
+    assert OutboxEvent.objects.leased().count() == 0
+
+
 # -- the relay ---------------------------------------------------------------------------------
 class Recording(locmem.LocmemBackend):
     """Locmem that records every send (one list per part) and fails the events whose
@@ -171,6 +192,56 @@ def test_a_hot_aggregate_drains_in_few_batches_one_event_per_send_in_order():
     assert result.batches <= 4
     headers = [m.headers["previous_sequence"] for m in locmem.outbox]
     assert headers == [0, *ids(made)[:-1]]
+
+
+class WritesOnFirstSend(Recording):
+    """Recording that writes one unordered event while its first batch is out."""
+
+    written: OutboxEvent | None = None
+
+    def send(self, events: Sequence[OutboxEvent]) -> None:
+        if self.written is None:
+            (self.written,) = rows({"aggregate_id": ""})
+        super().send(events)
+
+
+@pytest.mark.parametrize("searched", [True, False])
+def test_claims_behind_runs_look_for_new_heads_at_most_every_heads_every(monkeypatch, searched):
+    from django_outbox.relay import pipeline
+
+    # HEADS_EVERY 0 and the whole lane: every claim behind a run looks for heads; an hour:
+    # none does, and an event written meanwhile waits for the claim after the runs end.
+    monkeypatch.setattr(pipeline, "HEADS_EVERY", 0.0 if searched else 3600.0)
+    monkeypatch.setattr(pipeline, "HEADS_SHARE", 1.0)
+    made = hot(250)
+    backend = WritesOnFirstSend()
+    result = make_relay(backend=backend, batch_size=100, db_thread=False).drain()
+    assert result.sent == 251
+    order = published()
+    assert [pk for pk in order if pk != backend.written.pk] == ids(made)
+    if searched:  # taken by the claim behind the first batch's run
+        assert 100 <= order.index(backend.written.pk) <= 101
+    else:
+        assert order[-1] == backend.written.pk
+
+
+def test_the_search_for_heads_takes_at_most_its_share_of_the_claims_lane(monkeypatch):
+    from django_outbox.relay import pipeline
+
+    clock = [1000.0]
+    monkeypatch.setattr(pipeline.time, "monotonic", lambda: clock[0])
+    drain = pipeline.Pipeline(make_relay(), INLINE)
+    assert drain.heads_due()  # never searched
+    drain.searched_at, drain.search_cost = 1000.0, 0.01
+    assert not drain.heads_due()
+    clock[0] += pipeline.HEADS_EVERY
+    assert drain.heads_due()
+    # A search that took 0.3 s (a large backlog): the next one at least 0.9 s later.
+    drain.searched_at, drain.search_cost = clock[0], 0.3
+    clock[0] += 0.89
+    assert not drain.heads_due()
+    clock[0] += 0.02
+    assert drain.heads_due()
 
 
 @pytest.mark.parametrize("reason", ["unroutable", "nacked", "timeout"])

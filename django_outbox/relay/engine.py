@@ -175,12 +175,16 @@ class Relay:
         return OutboxEvent.objects.using(self.using).all()
 
     # -- the steps of a batch ----------------------------------------------------------------
-    def claim(self, limit: int, after: Sequence[OutboxEvent] = ()) -> Batch:
+    def claim(self, limit: int, after: Sequence[OutboxEvent] = (), *, heads: bool = True) -> Batch:
         """Lease up to ``limit`` rows of the source, oldest first; in ordered mode with the
-        runs behind ``after`` (confirmed rows of the last batch, see
-        :meth:`OutboxEventQuerySet.claim`)."""
+        runs behind ``after`` (confirmed rows of the last batch), and only those runs when
+        ``heads`` is False (see :meth:`OutboxEventQuerySet.claim`)."""
         token, rows = self.source(self.queryset()).claim(
-            limit, lease_seconds=self.lease_seconds, run=ordering.current_run(), after=after
+            limit,
+            lease_seconds=self.lease_seconds,
+            run=ordering.current_run(),
+            after=after,
+            heads=heads,
         )
         batch = Batch(token, rows, limit, time.monotonic())
         batch.after = frozenset(row.pk for row in after)
