@@ -271,6 +271,21 @@ def bench_exchange(url: str = DEFAULT_URL, *, prefix: str = "bench") -> Iterator
         connection.close()
 
 
+def analyze() -> None:
+    """Refresh the table's statistics, as autovacuum/autoanalyze would have by then."""
+    from django.db import connection
+
+    from django_outbox.models import OutboxEvent
+
+    table = connection.ops.quote_name(OutboxEvent._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"ANALYZE {table}" if connection.vendor == "postgresql" else f"ANALYZE TABLE {table}"
+        )
+        if connection.vendor != "postgresql":
+            cursor.fetchall()
+
+
 def setup_django(settings_module: str | None = None) -> None:
     """Configure Django for a benchmark that needs the models but no database.
 

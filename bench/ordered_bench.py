@@ -40,6 +40,7 @@ from bench.common import (
     SAMPLE_OCCURRED_AT,
     SAMPLE_PAYLOAD,
     Stopwatch,
+    analyze,
     bench_exchange,
     best_of,
     parser,
@@ -118,15 +119,8 @@ def drain_rate(
 
     OutboxEvent.objects.all().delete()
     count = write_backlog(aggregates, events + behind) - behind
-    if behind:
-        from django.db import connection
-
-        # Fresh statistics, as autovacuum would have them for a backlog that built up.
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"ANALYZE {'TABLE ' if connection.vendor == 'mysql' else ''}"
-                f"{OutboxEvent._meta.db_table}"
-            )
+    if behind:  # a backlog that built up: statistics as autovacuum would have them
+        analyze()
     with (
         bench_exchange(url, prefix="bench.ordered") as exchange,
         override_settings(OUTBOX_ORDERED=ordered, OUTBOX_ORDERED_RUN=run),

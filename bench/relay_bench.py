@@ -51,6 +51,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from bench.common import (
     CpuMeter,
+    analyze,
     count_from,
     emit_sample,
     parser,
@@ -219,21 +220,6 @@ def load_backlog(count: int, chunk: int = 1000) -> None:
         with outbox.atomic() as box:
             for i in range(start, min(count, start + chunk)):
                 emit_sample(box, i)
-
-
-def analyze() -> None:
-    """Refresh the table's statistics, as autovacuum/autoanalyze would have by then."""
-    from django.db import connection
-
-    from django_outbox.models import OutboxEvent
-
-    table = connection.ops.quote_name(OutboxEvent._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"ANALYZE {table}" if connection.vendor == "postgresql" else f"ANALYZE TABLE {table}"
-        )
-        if connection.vendor != "postgresql":
-            cursor.fetchall()
 
 
 def wait_until_sent(relay: RelayChild, timeout: float) -> None:

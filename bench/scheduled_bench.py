@@ -34,7 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python bench/scheduled_bench.py
     sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
-from bench.common import SAMPLE_AGGREGATE_TYPE, SAMPLE_EVENT_TYPE, SAMPLE_PAYLOAD
+from bench.common import SAMPLE_AGGREGATE_TYPE, SAMPLE_EVENT_TYPE, SAMPLE_PAYLOAD, analyze
 from bench.ordered_bench import setup_database
 
 SMOKE = {"scheduled": 2000, "due": 300}
@@ -157,16 +157,9 @@ def main() -> None:
     connection, old_name = setup_database()
     print(f"database: {connection.vendor}", flush=True)
     try:
-        from django.db import connection as conn
-
         measure("no scheduled backlog", args)
         write_scheduled(args.scheduled)
-        with conn.cursor() as cursor:  # statistics as autovacuum would have them
-            cursor.execute(
-                "ANALYZE django_outbox_outboxevent"
-                if conn.vendor == "postgresql"
-                else "ANALYZE TABLE django_outbox_outboxevent"
-            )
+        analyze()  # statistics as autovacuum would have them
         measure(f"{args.scheduled} scheduled events waiting, lower ids", args)
     finally:
         connection.creation.destroy_test_db(old_name, verbosity=0)
