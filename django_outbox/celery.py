@@ -37,7 +37,7 @@ from .message import ReceivedEvent, UndecodableMessage, decode_task_envelope
 if TYPE_CHECKING:
     from django.db import models
 
-    from .consumer import IdempotentHandler, Outcome
+    from .consumer.handlers import IdempotentHandler, Outcome
 
 # Importable before django.setup() (a project's celery.py imports beat_schedule from here):
 # the consumer module, which defines a model, is imported when a task first runs.
@@ -75,7 +75,7 @@ class IdempotentTask(Task):
     _handler_class: type[IdempotentHandler] | None = None
 
     def __call__(self, event: Any, *args: Any, **kwargs: Any) -> Any:
-        from .consumer import Outcome
+        from .consumer.handlers import Outcome
 
         delivery = self.request.delivery_info or {}
         try:
@@ -152,7 +152,7 @@ class IdempotentTask(Task):
 
 
 def _task_handler_base() -> type[IdempotentHandler]:
-    from .consumer import IdempotentHandler
+    from .consumer.handlers import IdempotentHandler
 
     class TaskHandler(IdempotentHandler):
         """Runs a task's function as ``handle()``, inside the handler's transaction."""

@@ -31,7 +31,7 @@ DATA = {"ordering", "querysets", "models"}
 #: Where each broker or task library may be imported.
 LIBRARIES = {
     # The Celery backend publishes through the pika backend's machinery (pipelined confirms).
-    "pika": {"backends.pika", "backends.celery", "_compat.pika", "consumer"},
+    "pika": {"backends.pika", "backends.celery", "_compat.pika", "consumer.amqp"},
     "celery": {"backends.celery", "celery", "tasks"},
     "kombu": {"backends.celery"},
     # The otel extra: emit(), the relay and the consumers call tracing, which alone imports it.

@@ -182,7 +182,8 @@ def test_consume_result_as_dict_lists_every_outcome():
 
 def test_a_consumer_without_handlers_is_a_configuration_error(settings, monkeypatch):
     settings.OUTBOX_CONSUMER_HANDLERS = []
-    monkeypatch.setattr("django_outbox.consumer.discover_handlers", lambda: [])  # no apps' ones
+    # No apps' ones.
+    monkeypatch.setattr("django_outbox.consumer.handlers.discover_handlers", lambda: [])
     with pytest.raises(ImproperlyConfiguredHandler, match="No handlers to run"):
         Consumer()
     with pytest.raises(CommandError, match="No handlers to run") as info:
