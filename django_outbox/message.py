@@ -179,22 +179,42 @@ MAX_AGGREGATE_LENGTH = 64
 MAX_SEQUENCE = 2**63 - 1
 
 
-def decode(
-    body: bytes,
-    *,
-    message_id: str | None,
-    message_type: str | None,
-    headers: Mapping[str, Any] | None,
-    redelivered: bool = False,
-    content_type: str | None = None,
-) -> ReceivedEvent:
-    """Rebuild the event from a message body and its AMQP properties, in any format the
-    relay publishes (:mod:`django_outbox.formats`): a CloudEvent in structured mode by its
-    content type, in binary mode by a ``specversion`` attribute header, else native.
+@dataclass(frozen=True)
+class Delivery:
+    """One message as a transport delivered it: what decoding and the dispatcher need, and
+    nothing of the broker's client (the seam between a transport and the consumer).
+
+    ``message_id``, ``message_type``, ``headers`` and ``content_type`` are what the publisher
+    set, unchecked: :func:`decode` checks them.
+    """
+
+    body: bytes
+    message_id: Any = None
+    message_type: Any = None
+    headers: Any = None
+    content_type: str | None = None
+    #: The broker says it delivered this message before (AMQP ``redelivered``).
+    redelivered: bool = False
+    #: Which delivery of the message this is, 1 for the first, as the transport counts them.
+    number: int = 1
+    #: Why the transport could not count the deliveries (a publisher set the header the
+    #: count is kept in); ``""`` when it could. A failure then cannot be retried safely.
+    count_error: str = ""
+    #: The transport it came through ("amqp", "locmem", ...), for log lines.
+    transport: str = ""
+
+
+def decode(delivery: Delivery) -> ReceivedEvent:
+    """Rebuild the event from a delivered message, in any format the relay publishes
+    (:mod:`django_outbox.formats`): a CloudEvent in structured mode by its content type, in
+    binary mode by a ``specversion`` attribute header, else native.
 
     Raises :class:`UndecodableMessage` (and nothing else) for a message that is not a
     well-formed outbox event, whatever its properties, headers and body hold.
     """
+    body, message_id, message_type = delivery.body, delivery.message_id, delivery.message_type
+    headers, content_type = delivery.headers, delivery.content_type
+    redelivered = delivery.redelivered
     if content_type and content_type[:23].lower() == "application/cloudevents":
         return _decode_structured(
             body,

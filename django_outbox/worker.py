@@ -18,10 +18,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .conf import broker_urls
 from .masking import mask_url
+
+_T = TypeVar("_T")
 
 #: ``manage.py <command> -v N`` -> the level of the ``django_outbox`` loggers.
 VERBOSITY_LEVELS = {0: logging.ERROR, 1: logging.INFO, 2: logging.DEBUG, 3: logging.DEBUG}
@@ -64,18 +66,29 @@ def configure_logging(verbosity: int) -> None:
 
 
 class Backoff:
-    """Exponential pause after a failure: 0.5 s, 1 s, 2 s, ... up to ``maximum``."""
+    """Exponential pause after a failure: ``initial`` (0.5 s), twice that, ... up to
+    ``maximum``. Every wait of the relay and the consumer is one of these: a lost broker or
+    database (:meth:`next`, :meth:`reset`), and the pause before a failed message is
+    delivered again (:meth:`pause` of its delivery number)."""
 
     def __init__(self, *, initial: float = 0.5, maximum: float = 30.0) -> None:
         self.initial, self.maximum = initial, maximum
-        self.current = 0.0
+        self.failures = 0
+
+    def pause(self, failures: int) -> float:
+        """The pause after ``failures`` failures in a row (none: 0)."""
+        if failures < 1 or self.initial <= 0:
+            return 0.0
+        # The exponent is capped: 2**64 times any initial is past every maximum.
+        return min(self.maximum, self.initial * 2 ** min(failures - 1, 64))
 
     def next(self) -> float:
-        self.current = min(self.maximum, self.current * 2 if self.current else self.initial)
-        return self.current
+        """One more failure: the pause to wait before trying again."""
+        self.failures += 1
+        return self.pause(self.failures)
 
     def reset(self) -> None:
-        self.current = 0.0
+        self.failures = 0
 
 
 class BrokerNodes:
@@ -127,6 +140,31 @@ class BrokerNodes:
         paused since), a new one begins."""
         if self._failed >= len(self.urls):
             self._failed = 0
+
+    def connect(
+        self,
+        attempt: Callable[[], _T],
+        *,
+        errors: type[Exception] | tuple[type[Exception], ...],
+        on_next: Callable[[str, Exception], None],
+    ) -> _T:
+        """Connect to the first node that answers, from the current one on: the one node
+        loop of the relay's backend and the consumer.
+
+        ``attempt()`` connects to :attr:`current`. One that raises ``errors`` moves on to the
+        next node (:meth:`failed`), which is tried at once after ``on_next(node, error)``
+        said so; once every node has failed in this round, the last error propagates (the
+        worker pauses with its backoff and calls this again).
+        """
+        self.start()
+        while True:
+            node = self.name()
+            try:
+                return attempt()
+            except errors as exc:
+                if not self.failed():
+                    raise
+                on_next(node, exc)
 
     def failed(self) -> bool:
         """The current node did not answer, or the connection to it was lost: move on to the

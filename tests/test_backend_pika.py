@@ -391,13 +391,13 @@ def test_check_reports_a_bad_broker_url(url: str, problem: str) -> None:
 
 
 def test_an_empty_broker_url_gets_the_same_message_from_the_check_relay_and_consumer() -> None:
-    from django_outbox.consumer import Consumer, ImproperlyConfiguredHandler
+    from django_outbox.consumer import Consumer, ImproperlyConfiguredConsumer
 
     with override_settings(OUTBOX_BROKER_URL="", OUTBOX_BACKEND_OPTIONS={}):
         [error] = PikaBackend.check()
         with pytest.raises(BrokerUnavailable) as relay:
             PikaBackend().open()
-        with pytest.raises(ImproperlyConfiguredHandler) as consumer:
+        with pytest.raises(ImproperlyConfiguredConsumer) as consumer:
             Consumer(handlers=[])
     said = f"{error.msg} {error.hint}"
     assert "OUTBOX_BROKER_URL is empty" in said

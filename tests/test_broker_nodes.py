@@ -155,9 +155,9 @@ def test_a_broker_url_of_another_type_is_a_configuration_error_for_the_relay_and
     from django.test import override_settings
 
     from django_outbox.backends.pika import PikaBackend
-    from django_outbox.consumer import Consumer, ImproperlyConfiguredHandler
+    from django_outbox.consumer import Consumer, ImproperlyConfiguredConsumer
 
-    with pytest.raises(ImproperlyConfiguredHandler, match="lists a value of type int"):
+    with pytest.raises(ImproperlyConfiguredConsumer, match="lists a value of type int"):
         Consumer(handlers=["points.handlers.AwardPointsHandler"], url=[A, 5])
     with (
         override_settings(OUTBOX_BROKER_URL={"url": A}),

@@ -10,32 +10,29 @@ from django.utils import timezone
 
 from django_outbox.backends import locmem
 from django_outbox.consumer import (
+    Action,
     Consumer,
     ConsumeResult,
     Dispatcher,
+    ImproperlyConfiguredConsumer,
     ImproperlyConfiguredHandler,
     Outcome,
     get_handlers,
     process_messages,
 )
-from django_outbox.message import decode, encode_body, encode_headers
+from django_outbox.message import Delivery, decode, encode_body, encode_headers
 from django_outbox.models import InboxMessage
 from django_outbox.testing import relay_now
 from orders.services import create_order
 from points.handlers import AwardPointsHandler
 from points.models import PointsLedger
-from tests.utils.rows import unsaved_event
+from tests.utils.rows import decided, delivered, unsaved_event
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def received(event):
-    return decode(
-        encode_body(event),
-        message_id=event.event_id,
-        message_type=event.event_type,
-        headers=encode_headers(event),
-    )
+    return decode(delivered(event))
 
 
 def test_business_row_style_same_event_twice_gives_one_row():
@@ -80,7 +77,7 @@ def test_unknown_type_and_undecodable():
     [unknown] = dispatcher.process(received(unsaved_event("ORDER_CANCELLED")))
     assert unknown.outcome is Outcome.UNKNOWN_TYPE
     [bad] = dispatcher.process_message(
-        b"not json", message_id="m1", message_type="ORDER_CREATED", headers={}
+        Delivery(b"not json", message_id="m1", message_type="ORDER_CREATED", headers={})
     )
     assert bad.outcome is Outcome.UNDECODABLE
 
@@ -122,7 +119,7 @@ def test_queue_name_and_arguments(settings):
         "x-delivery-limit": 3,
     }
     assert "x-queue-type" not in queue_arguments("q", queue_type="classic", max_retries=3)
-    with pytest.raises(ImproperlyConfiguredHandler, match="'quorum' or 'classic'"):
+    with pytest.raises(ImproperlyConfiguredConsumer, match="'quorum' or 'classic'"):
         queue_arguments("q", queue_type="stream", max_retries=3)
 
 
@@ -138,32 +135,55 @@ def test_describe_names_types_bindings_and_dedup_style(settings):
     )
 
 
-def test_receive_gives_the_outcome_to_settle_by_and_each_handlers_result():
+def test_receive_decides_what_the_transport_does_and_gives_each_handlers_result():
     dispatcher = Dispatcher(
         handlers=[AwardPointsHandler, "tests.consumer_handlers.InboxPointsHandler"]
     )
     event = unsaved_event()
-    message = {
-        "message_id": event.event_id,
-        "message_type": event.event_type,
-        "headers": encode_headers(event),
-    }
-    outcome, results = dispatcher.receive(encode_body(event), **message)
-    assert outcome is Outcome.PROCESSED and outcome.acknowledge
-    assert [r.outcome for r in results] == [Outcome.PROCESSED, Outcome.PROCESSED]
-    outcome, results = dispatcher.receive(encode_body(event), redelivered=True, **message)
-    assert outcome is Outcome.DUPLICATE and outcome.acknowledge
-    outcome, results = dispatcher.receive(b"not json", **message)
-    assert outcome is Outcome.UNDECODABLE and not outcome.acknowledge
-    assert results[0].error
+    decision = dispatcher.receive(delivered(event))
+    assert (decision.action, decision.outcome) == (Action.ACKNOWLEDGE, Outcome.PROCESSED)
+    assert [r.outcome for r in decision.results] == [Outcome.PROCESSED, Outcome.PROCESSED]
+    assert decision.message_format == "native"
+    decision = dispatcher.receive(delivered(event, redelivered=True))
+    assert (decision.action, decision.outcome) == (Action.ACKNOWLEDGE, Outcome.DUPLICATE)
+    decision = dispatcher.receive(Delivery(b"not json", message_id="m1", message_type="T"))
+    assert (decision.action, decision.outcome) == (Action.DEAD_LETTER, Outcome.UNDECODABLE)
+    assert decision.reason.startswith("undecodable: message 'm1' body is not JSON")
+    assert decision.message_format == ""
+
+
+BOOM = "RuntimeError: boom after the write"
+
+
+@pytest.mark.parametrize(
+    ("number", "count_error", "action", "reason"),
+    [
+        (1, "", Action.RETRY, ""),
+        (3, "", Action.RETRY, ""),
+        (4, "", Action.DEAD_LETTER, f"failed 4 time(s): {BOOM}"),
+        (1, "header x is 'a'", Action.DEAD_LETTER, f"failed: {BOOM}; header x is 'a'"),
+    ],
+)
+def test_a_failure_is_retried_with_a_growing_pause_then_dead_lettered(
+    number, count_error, action, reason
+):
+    dispatcher = Dispatcher(
+        handlers=["tests.consumer_handlers.FailingHandler"], max_retries=3, retry_delay=0.5
+    )
+    decision = dispatcher.receive(
+        delivered(unsaved_event(), number=number, count_error=count_error)
+    )
+    assert (decision.action, decision.outcome, decision.reason) == (action, Outcome.FAILED, reason)
+    assert decision.delay == ({1: 0.5, 3: 2.0}.get(number, 0.0) if not count_error else 0.0)
+    assert decision.error == BOOM
+    assert PointsLedger.objects.count() == 0
 
 
 def test_consume_result_as_dict_lists_every_outcome():
     result = ConsumeResult()
     for outcome in [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2:
-        result.add(outcome, "native" if outcome is Outcome.PROCESSED else "cloudevents")
-    result.add(Outcome.FAILED, "")  # undecodable: in no format
-    result.dead_lettered = 1
+        result.add(decided(outcome, "native" if outcome is Outcome.PROCESSED else "cloudevents"))
+    result.add(decided(Outcome.FAILED, action=Action.DEAD_LETTER))  # undecodable: no format
     assert result.as_dict() == {
         "messages": 7,
         "outcomes": {
@@ -222,7 +242,7 @@ def test_malformed_message_is_undecodable_with_its_reason(case):
     good = encode_headers(unsaved_event())
     dispatcher = Dispatcher(handlers=[AwardPointsHandler])
     [result] = dispatcher.process_message(
-        body, message_id="m1", message_type="ORDER_CREATED", headers={**good, **headers}
+        Delivery(body, message_id="m1", message_type="ORDER_CREATED", headers={**good, **headers})
     )
     assert result.outcome is Outcome.UNDECODABLE
     assert named in result.error
@@ -238,7 +258,7 @@ def test_properties_that_are_not_an_outbox_event_are_undecodable():
         ({"message_id": "m1", "message_type": "T" * 129}, "type"),
         ({"message_id": "m1", "message_type": "ORDER_CREATED", "content_type": "text/xml"}, "xml"),
     ]:
-        [result] = dispatcher.process_message(body, headers=headers, **props)
+        [result] = dispatcher.process_message(Delivery(body, headers=headers, **props))
         assert result.outcome is Outcome.UNDECODABLE, props
         assert named in result.error
 
@@ -247,14 +267,16 @@ def test_well_formed_variants_still_decode():
     """What other publishers send and the outbox accepts: digit strings, an AMQP timestamp,
     a JSON content type with parameters, no optional headers at all."""
     event = decode(
-        b'{"a": 1}',
-        message_id="m1",
-        message_type="ORDER_CREATED",
-        headers={"attempt": "2", "sequence": b"7", "occurred_at": timezone.now()},
-        content_type="application/json; charset=utf-8",
+        Delivery(
+            b'{"a": 1}',
+            message_id="m1",
+            message_type="ORDER_CREATED",
+            headers={"attempt": "2", "sequence": b"7", "occurred_at": timezone.now()},
+            content_type="application/json; charset=utf-8",
+        )
     )
     assert (event.attempt, event.sequence, event.previous_sequence) == (2, 7, None)
-    bare = decode(b"null", message_id="m2", message_type="T", headers=None)
+    bare = decode(Delivery(b"null", message_id="m2", message_type="T", headers=None))
     assert (bare.attempt, bare.occurred_at, bare.aggregate_id, bare.payload) == (1, None, "", None)
 
 

@@ -30,7 +30,7 @@ def test_same_message_twice_one_row_two_acks(broker):
     event = unsaved_event()
     broker.publish(event)
     broker.publish(event)
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
     assert result.counts[Outcome.DUPLICATE] == 1
     assert PointsLedger.objects.filter(source_event_id=event.event_id).count() == 1
@@ -48,7 +48,7 @@ def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_
     )
     event = unsaved_event()
     broker.publish(event)
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     # 1 delivery + 2 retries, each rolled back; then the dead-letter queue.
     assert result.counts[Outcome.FAILED] == 3
     assert result.dead_lettered == 1
@@ -66,11 +66,11 @@ def test_failure_then_success_on_redelivery(broker):
     consumer = make_consumer(broker, handlers=["tests.consumer_handlers.FailingHandler"])
     event = unsaved_event()
     broker.publish(event)
-    result = consumer.run(max_messages=1)
+    result = consumer.serve(max_messages=1)
     assert result.counts[Outcome.FAILED] == 1
     assert PointsLedger.objects.count() == 0
     # The message came back; a fixed handler processes it.
-    result = make_consumer(broker).run(until_idle=True)
+    result = make_consumer(broker).serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
     assert PointsLedger.objects.get().source_event_id == event.event_id
 
@@ -85,9 +85,9 @@ def test_a_stop_hands_each_prefetched_message_back_once(broker):
     events = [unsaved_event(pk=i) for i in range(1, 7)]
     for event in events:
         broker.publish(event)
-    result = consumer.run(max_messages=1)  # stops with five in hand
+    result = consumer.serve(max_messages=1)  # stops with five in hand
     assert result.counts[Outcome.PROCESSED] == 1
-    result = make_consumer(broker, max_retries=1).run(until_idle=True)
+    result = make_consumer(broker, max_retries=1).serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 5
     assert PointsLedger.objects.count() == 6
     assert broker.count(broker.dlq) == 0
@@ -101,7 +101,7 @@ def test_undecodable_goes_to_the_dead_letter_queue_at_once(broker):
         "ORDER_CREATED",
     )
     broker.publish_raw(b"{}", pika.BasicProperties(delivery_mode=2), "ORDER_CREATED")
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.UNDECODABLE] == 2
     assert wait_for(lambda: broker.count(broker.dlq) == 2)
 
@@ -131,7 +131,7 @@ def test_malformed_messages_go_to_the_dlq_with_a_reason_and_the_rest_flow(broker
         broker.publish_raw(body or encode_body(event), props, "ORDER_CREATED")
         good.append(unsaved_event(pk=i + 1))
         broker.publish(good[-1])
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.UNDECODABLE] == len(ISSUE_19_MALFORMED)
     assert result.counts[Outcome.PROCESSED] == len(good)
     assert set(PointsLedger.objects.values_list("source_event_id", flat=True)) == {
@@ -162,7 +162,7 @@ def test_a_delivery_count_that_is_not_one_dead_letters_a_failing_message(broker,
     name = "x-delivery-count" if queue_type == "quorum" else DELIVERY_HEADER
     props.headers[name] = "abc"
     broker.publish_raw(encode_body(event), props, "ORDER_CREATED")
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.FAILED] == 1
     assert result.dead_lettered == 1
     [(dead, _body)] = broker.drain(broker.dlq)
@@ -174,7 +174,7 @@ def test_a_delivery_count_that_is_not_one_dead_letters_a_failing_message(broker,
 def test_unknown_event_type_is_acked(broker):
     consumer = make_consumer(broker)
     broker.publish(unsaved_event("ORDER_SHIPPED"), routing_key="ORDER_CREATED")
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.UNKNOWN_TYPE] == 1
     assert broker.count(broker.queue) == 0
     assert broker.count(broker.dlq) == 0
@@ -193,7 +193,7 @@ def test_thousand_events_with_redeliveries_exactly_once(broker, db_vendor):
     results = []
 
     def consume():
-        results.append(make_consumer(broker, prefetch=20).run(until_idle=True))
+        results.append(make_consumer(broker, prefetch=20).serve(until_idle=True))
 
     threads = [db_thread(consume) for _ in range(2)]
     for thread in threads:
@@ -232,7 +232,7 @@ def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_pat
         if child.poll() is None:
             child.kill()
     assert PointsLedger.objects.count() == 0
-    result = make_consumer(broker).run(until_idle=True)
+    result = make_consumer(broker).serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
     assert PointsLedger.objects.get().source_event_id == event.event_id
 
@@ -320,7 +320,7 @@ def test_reconnects_after_the_connection_is_lost(broker):
         )
         stop = threading.Event()
         results = []
-        thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
+        thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
         thread.start()
         assert wait_for(lambda: consumer._channel is not None)
         first, second = unsaved_event(pk=1), unsaved_event(pk=2)
@@ -364,7 +364,7 @@ def test_fails_over_to_the_next_node_when_its_node_dies(broker, caplog):
         assert consumer.queue_type == "quorum"
         stop = threading.Event()
         results = []
-        thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
+        thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
         thread.start()
         assert wait_for(lambda: consumer._channel is not None)
         events = [unsaved_event(pk=n) for n in range(1, 4)]
@@ -407,7 +407,7 @@ def test_the_first_node_down_at_start_the_consumer_reads_from_the_next(broker, c
     try:
         consumer = make_consumer(broker, url=f"{url_a};{broker.url}")
         broker.publish(unsaved_event())
-        result = consumer.run(until_idle=True)
+        result = consumer.serve(until_idle=True)
     finally:
         node_a.close()
     assert result.counts[Outcome.PROCESSED] == 1
@@ -542,7 +542,7 @@ def test_a_handler_that_breaks_its_own_connection_is_not_held_for_good(
     )
     event = unsaved_event()
     broker.publish(event)
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     # Each delivery: LOST_CONNECTION_RETRIES uncounted tries, then one counted failure.
     assert result.counts[Outcome.FAILED] == 2
     assert result.dead_lettered == 1

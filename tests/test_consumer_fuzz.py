@@ -190,7 +190,7 @@ def test_fuzzed_messages_all_end_somewhere_and_the_consumer_stays_up(broker, que
     )
     consumer.connect()
     stop, results = threading.Event(), []
-    thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
+    thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
     thread.start()
     try:
         for m in [*messages, *duplicates]:
@@ -217,7 +217,7 @@ def test_fuzzed_messages_all_end_somewhere_and_the_consumer_stays_up(broker, que
     assert not thread.is_alive() and results, f"seed {seed}: the consumer did not stop"
     # The stop may come with duplicates or unknown types still prefetched (they change no
     # row to wait for): they went back to the queue, once each, and a restart takes them.
-    rest = consumer.run(until_idle=True)
+    rest = consumer.serve(until_idle=True)
     counts = Counter(results[0].counts) + Counter(rest.counts)
     dead = {
         props.headers[TAG]: props.headers.get(REASON_HEADER, "")

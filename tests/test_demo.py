@@ -23,7 +23,7 @@ from django_outbox.consumer import ConsumeResult, Outcome
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
 from points.models import PointsLedger
-from tests.utils.rows import unsaved_event
+from tests.utils.rows import decided, unsaved_event
 from tests.utils.subprocess import MANAGE, django_env
 
 TIMEOUT = 180
@@ -235,9 +235,8 @@ def test_tally_reads_the_consume_outbox_totals():
     result = ConsumeResult()
     outcomes = [Outcome.PROCESSED] * 4 + [Outcome.DUPLICATE] * 2 + [Outcome.FAILED]
     for outcome in outcomes:
-        result.add(outcome, "cloudevents")
-    result.add(Outcome.UNDECODABLE)
-    result.dead_lettered = 1
+        result.add(decided(outcome, "cloudevents"))
+    result.add(decided(Outcome.UNDECODABLE))
     tally = Tally.from_totals(json.loads(json.dumps(result.as_dict())))  # as --json prints it
     assert tally == Tally(
         handled=8, processed=4, duplicates=2, failed=1, other=1, formats={"cloudevents": 7}

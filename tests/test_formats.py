@@ -21,7 +21,7 @@ from django_outbox.backends.pika import PikaBackend
 from django_outbox.consumer import REASON_HEADER, Outcome
 from django_outbox.exceptions import ImproperlyConfiguredBackend
 from django_outbox.formats import default_source, get_format, rfc3339
-from django_outbox.message import UndecodableMessage, decode
+from django_outbox.message import Delivery, UndecodableMessage, decode
 from points.models import PointsLedger
 from tests.utils.amqp import make_consumer
 from tests.utils.rows import OCCURRED, unsaved_event, wire_rows
@@ -32,11 +32,13 @@ SOURCE = "/orders-service"
 
 def received(body: bytes, headers: dict, *, content_type: str, message_id="", type=""):
     return decode(
-        body,
-        message_id=message_id or None,
-        message_type=type or None,
-        headers=headers,
-        content_type=content_type,
+        Delivery(
+            body,
+            message_id=message_id or None,
+            message_type=type or None,
+            headers=headers,
+            content_type=content_type,
+        )
     )
 
 
@@ -409,7 +411,7 @@ def test_relayed_over_rabbitmq_the_sdk_and_the_consumer_read_it(broker, settings
     )
     assert event.get_data() == json.loads(message.encode_body(rows[0]))
 
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 2
     assert result.as_dict()["formats"] == {
         "native": 0,
@@ -448,7 +450,7 @@ def test_a_producer_switching_format_needs_no_flag_day_and_a_bad_cloudevent_is_d
         "ORDER_CREATED",
     )
     with caplog.at_level(logging.INFO, logger="django_outbox.consumer"):
-        result = consumer.run(until_idle=True)
+        result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 3
     assert result.counts[Outcome.UNDECODABLE] == 1
     assert result.as_dict()["formats"] == {

@@ -8,12 +8,12 @@ import pytest
 
 from django_outbox.backends import locmem
 from django_outbox.consumer import Dispatcher, ImproperlyConfiguredHandler, Outcome, get_handlers
-from django_outbox.message import decode, encode_body, encode_headers
+from django_outbox.message import decode
 from django_outbox.models import AggregateSequence, OutboxEvent, Status
 from django_outbox.relay import Relay
 from points.models import PointsLedger
 from tests.utils.amqp import make_consumer
-from tests.utils.rows import make_events, unsaved_event
+from tests.utils.rows import delivered, make_events, unsaved_event
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -65,12 +65,7 @@ def test_previous_sequence_skips_a_skipped_dead_head(settings):
 def test_decode_reads_previous_sequence():
     event = unsaved_event(pk=20)
     event.previous_sequence = 10
-    received = decode(
-        encode_body(event),
-        message_id=event.event_id,
-        message_type=event.event_type,
-        headers=encode_headers(event),
-    )
+    received = decode(delivered(event))
     assert (received.sequence, received.previous_sequence) == (20, 10)
     assert "previous_sequence" not in received.headers
 
@@ -81,12 +76,7 @@ def ordered_event(sequence: int, previous: int | None, aggregate: str = "N1", ev
     event.aggregate_id = aggregate
     if previous is not None:
         event.previous_sequence = previous
-    return decode(
-        encode_body(event),
-        message_id=event.event_id,
-        message_type=event.event_type,
-        headers=encode_headers(event),
-    )
+    return decode(delivered(event))
 
 
 def outcome(dispatcher: Dispatcher, event) -> Outcome:
@@ -175,7 +165,7 @@ def test_consumer_parks_an_early_message_and_processes_it_after_its_predecessor(
     consumer = make_consumer(broker, [PARK], queue_type="classic")
     publish_ordered(broker, 20, 10)
     publish_ordered(broker, 10, 0)
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.EARLY] == 1
     assert result.counts[Outcome.PROCESSED] == 2
     assert processed_sequences() == [10, 20]
@@ -186,7 +176,7 @@ def test_consumer_dead_letters_a_rejected_early_message(broker):
     consumer = make_consumer(broker, [REJECT], queue_type="classic")
     early = publish_ordered(broker, 20, 10)
     publish_ordered(broker, 10, 0)
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.OUT_OF_ORDER] == 1
     assert result.dead_lettered == 1
     assert processed_sequences() == [10]

@@ -123,12 +123,7 @@ def test_a_replay_keeps_its_event_id_and_says_it_is_one():
     assert [m.message_id for m in replayed] == [first.event_id, first.event_id]
     assert [m.headers[REPLAY_HEADER] for m in replayed] == [1, 2]
     assert replayed[1].headers["attempt"] == 1
-    event = decode(
-        replayed[1].body,
-        message_id=replayed[1].message_id,
-        message_type=replayed[1].type,
-        headers=replayed[1].headers,
-    )
+    event = decode(replayed[1].delivery())
     assert event.replay == 2
     assert REPLAY_HEADER not in event.headers  # the relay's header, not the event's own
     assert OutboxEvent.objects.get(pk=other.pk).replay_count == 0
@@ -352,10 +347,10 @@ def test_a_replay_through_rabbitmq_is_a_duplicate_for_a_consumer_that_has_it(bro
             relay.close()
 
     relay()
-    assert consumer.run(until_idle=True).counts[Outcome.PROCESSED] == 1
+    assert consumer.serve(until_idle=True).counts[Outcome.PROCESSED] == 1
     run("--status", "sent")
     relay()
-    counts = consumer.run(until_idle=True).counts
+    counts = consumer.serve(until_idle=True).counts
     assert (counts[Outcome.DUPLICATE], counts[Outcome.PROCESSED]) == (1, 0)
     assert PointsLedger.objects.count() == 1
     first, replay = broker.get_all(watch, 2)

@@ -366,7 +366,7 @@ def test_one_trace_from_the_span_around_emit_to_the_consumers_process_span(spans
         order = create_order(user_id=3, amount=Decimal("5.00"))
     backend = PikaBackend(broker_url=broker.url, exchange=broker.exchange)
     assert Relay(backend=backend).run_once().sent == 1
-    result = consumer.run(until_idle=True)
+    result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
     assert PointsLedger.objects.get().order_number == order.number
 
@@ -400,7 +400,7 @@ def test_two_events_of_two_traces_relayed_in_one_batch_each_keep_their_trace(spa
     backend = PikaBackend(broker_url=broker.url, exchange=broker.exchange)
     result = Relay(backend=backend, batch_size=10).run_once()
     assert (result.sent, result.batches) == (2, 1)
-    assert consumer.run(until_idle=True).counts[Outcome.PROCESSED] == 2
+    assert consumer.serve(until_idle=True).counts[Outcome.PROCESSED] == 2
 
     finished = spans.get_finished_spans()
     for kind in ("create", "publish", "process"):

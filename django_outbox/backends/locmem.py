@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..message import Delivery
 from .base import BrokerUnavailable, PublishResult, Reason, SyncBackend
 
 if TYPE_CHECKING:
@@ -30,6 +31,17 @@ class Message:
     type: str
     content_type: str
     headers: dict[str, Any] = field(default_factory=dict)
+
+    def delivery(self) -> Delivery:
+        """The message as a consumer's transport would hand it over (a first delivery)."""
+        return Delivery(
+            self.body,
+            message_id=self.message_id,
+            message_type=self.type,
+            headers=self.headers,
+            content_type=self.content_type,
+            transport="locmem",
+        )
 
 
 outbox: list[Message] = []

@@ -71,6 +71,10 @@ class Unsendable(Exception):
         self.rest = rest
 
 
+class _NodeProblem(Exception):
+    """One broker node could not be connected to; the text says why."""
+
+
 class PikaBackend(AmqpBackend):
     """Publish outbox events to a RabbitMQ exchange with confirms, ``mandatory`` and
     persistent delivery.
@@ -188,37 +192,46 @@ class PikaBackend(AmqpBackend):
         # The connection survived, only the channel was closed (a channel error): the node
         # answers, so a new channel on it is all there is to try.
         reopen = self._connection is not None and self._connection.is_open
-        self.nodes.start()
         problems: list[str] = []
-        while True:
+
+        def attempt() -> None:
             node = self.nodes.name()
             started = time.monotonic()
             problem = self._connect(reopen)
-            if not problem:
-                logger.info(
-                    "connected to %s (exchange %r, %.0f ms)",
-                    node,
-                    self.exchange,
-                    (time.monotonic() - started) * 1000,
-                )
-                return
-            problems.append(f"{node}: {problem}")
-            if reopen or not self.nodes.failed():
-                break
+            if problem:
+                problems.append(f"{node}: {problem}")
+                raise _NodeProblem(problem)
+            logger.info(
+                "connected to %s (exchange %r, %.0f ms)",
+                node,
+                self.exchange,
+                (time.monotonic() - started) * 1000,
+            )
+
+        def on_next(node: str, problem: Exception) -> None:
             logger.warning(
                 "cannot connect to RabbitMQ at %s: %s; trying the next node, %s",
                 node,
                 problem,
                 self.nodes.name(),
             )
-        where = (
-            "RabbitMQ at " if len(problems) == 1 else f"any RabbitMQ node of {self.url_setting}: "
-        )
-        raise BrokerUnavailable(
-            f"cannot connect to {where}{'; '.join(problems)}. Check that the broker is running "
-            f"and {self.url_setting} (host, port, vhost, credentials) is right; the relay "
-            "retries with backoff."
-        )
+
+        try:
+            if reopen:
+                attempt()
+            else:
+                self.nodes.connect(attempt, errors=_NodeProblem, on_next=on_next)
+        except _NodeProblem:
+            where = (
+                "RabbitMQ at "
+                if len(problems) == 1
+                else f"any RabbitMQ node of {self.url_setting}: "
+            )
+            raise BrokerUnavailable(
+                f"cannot connect to {where}{'; '.join(problems)}. Check that the broker is "
+                f"running and {self.url_setting} (host, port, vhost, credentials) is right; "
+                "the relay retries with backoff."
+            ) from None
 
     def _connect(self, reopen: bool) -> str:
         """Open a connection to the current node (or, with ``reopen``, a new channel on the

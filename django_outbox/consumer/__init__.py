@@ -2,8 +2,11 @@
 
 - :mod:`~django_outbox.consumer.handlers`: the handler API (:class:`IdempotentHandler`,
   :class:`SourceEventModel`, the ordered check) and how handlers are found;
-- :mod:`~django_outbox.consumer.dispatch`: a delivered message in, one outcome out;
-- :mod:`~django_outbox.consumer.amqp`: the RabbitMQ loop (:class:`Consumer`).
+- :mod:`~django_outbox.consumer.dispatch`: a delivered message in, one decision out
+  (acknowledge, retry later, dead-letter with a reason, hold);
+- :mod:`~django_outbox.consumer.base`: the loop every transport shares, and the contract
+  a transport implements (:class:`BaseConsumer`);
+- :mod:`~django_outbox.consumer.amqp`: the RabbitMQ transport (:class:`Consumer`).
 
 Every public name is importable from here. The transport's loop is imported on first use,
 so that code needing only the handler API (Celery's ``IdempotentTask``) never loads a
@@ -14,9 +17,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..message import Delivery
+from .base import (
+    LOST_CONNECTION_RETRIES,
+    BaseConsumer,
+    ImproperlyConfiguredConsumer,
+    dead_letter_queue_name,
+    default_queue_name,
+)
 from .dispatch import (
+    REASON_HEADER,
+    Action,
     ConsumeResult,
-    DatabaseUnavailable,
+    Decision,
     Dispatcher,
     message_outcome,
     process_messages,
@@ -34,39 +47,25 @@ from .handlers import (
 )
 
 if TYPE_CHECKING:
-    from .amqp import (
-        DELIVERY_HEADER,
-        LOST_CONNECTION_RETRIES,
-        REASON_HEADER,
-        Consumer,
-        dead_letter_queue_name,
-        default_queue_name,
-        queue_arguments,
-    )
+    from .amqp import DELIVERY_HEADER, Consumer, queue_arguments
 
 #: Names of the RabbitMQ module, loaded when first asked for.
-_AMQP = frozenset(
-    {
-        "DELIVERY_HEADER",
-        "LOST_CONNECTION_RETRIES",
-        "REASON_HEADER",
-        "Consumer",
-        "dead_letter_queue_name",
-        "default_queue_name",
-        "queue_arguments",
-    }
-)
+_AMQP = frozenset({"DELIVERY_HEADER", "Consumer", "queue_arguments"})
 
 __all__ = [
     "DELIVERY_HEADER",
     "LOST_CONNECTION_RETRIES",
     "REASON_HEADER",
+    "Action",
+    "BaseConsumer",
     "ConsumeResult",
     "Consumer",
-    "DatabaseUnavailable",
+    "Decision",
+    "Delivery",
     "Dispatcher",
     "HandlerResult",
     "IdempotentHandler",
+    "ImproperlyConfiguredConsumer",
     "ImproperlyConfiguredHandler",
     "Outcome",
     "SourceEventModel",

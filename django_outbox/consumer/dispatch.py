@@ -1,22 +1,29 @@
-"""From a delivered message to an outcome: decode it, run its handlers, total the results.
+"""From a delivered message to one decision: the seam between a transport and the handlers.
 
-:class:`Dispatcher` routes a received event to the handlers of its type and runs each one
-idempotently (:meth:`IdempotentHandler.run`); :func:`message_outcome` says what the whole
-message came to. Nothing here knows a broker: a transport's consumer loop (``amqp.py``)
-settles the message with its broker from the outcome. :func:`process_messages` feeds locmem
-messages through the handlers in-process (tests).
+A transport's consumer loop (``amqp.py``; one module per broker) hands each message over as
+a :class:`~django_outbox.message.Delivery` (body, headers, message id, type, which delivery
+it is, the transport's name) and gets back one :class:`Decision`: acknowledge it, retry it
+later (after ``delay``), dead-letter it (with a ``reason``), or hold it because the
+consumer's own database failed (no delivery counted). :class:`Dispatcher` makes the
+decision: it decodes the message, runs the handlers of its type, each idempotently
+(:meth:`IdempotentHandler.attempt`), and applies the retry limit. Nothing here knows a
+broker. :func:`process_messages` feeds locmem messages through the handlers in-process
+(tests).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import tracing
-from ..exceptions import OutboxError, error_text
-from ..message import FORMATS, ReceivedEvent, UndecodableMessage, decode
+from ..conf import outbox_settings
+from ..exceptions import error_text
+from ..message import FORMATS, Delivery, ReceivedEvent, UndecodableMessage, decode
+from ..worker import Backoff
 from .handlers import HandlerResult, IdempotentHandler, Outcome, get_handlers
 
 if TYPE_CHECKING:
@@ -24,13 +31,41 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_outbox.consumer")
 
+#: Where a dead-lettered message carries why (the outcome and the error), on every transport.
+REASON_HEADER = "x-outbox-reason"
+#: The longest pause before a failed message is delivered again.
+MAX_RETRY_DELAY = 30.0
 
-class DatabaseUnavailable(OutboxError):
-    """A handler's database connection was lost: the delivery was not settled."""
 
-    def __init__(self, using: str, error: str) -> None:
-        super().__init__(f"database {using!r}: {error}")
-        self.using, self.error = using, error
+class Action(str, enum.Enum):
+    """What a transport does with a message (:attr:`Decision.action`)."""
+
+    ACKNOWLEDGE = "acknowledge"  # done: processed, a duplicate, or no handler for its type
+    RETRY = "retry"  # its handler failed: deliver it again after Decision.delay (counted)
+    DEAD_LETTER = "dead_letter"  # poison, or out of retries: park it with Decision.reason
+    HOLD = "hold"  # the consumer's database failed, not the message: keep it, count nothing
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What became of one delivered message, and what its transport must do with it."""
+
+    action: Action
+    outcome: Outcome
+    results: tuple[HandlerResult, ...] = ()
+    #: DEAD_LETTER: why, for the dead-letter copy's :data:`REASON_HEADER`.
+    reason: str = ""
+    #: RETRY: the pause before the message is delivered again, in seconds.
+    delay: float = 0.0
+    #: HOLD: the alias of the database whose connection failed.
+    database: str = ""
+    #: The first handler's error (``""`` when none failed).
+    error: str = ""
+
+    @property
+    def message_format(self) -> str:
+        """The format the message came in (``ReceivedEvent.format``); ``""`` if undecodable."""
+        return self.results[0].message_format if self.results else ""
 
 
 def message_outcome(results: Sequence[HandlerResult]) -> Outcome:
@@ -50,11 +85,28 @@ def message_outcome(results: Sequence[HandlerResult]) -> Outcome:
 
 
 class Dispatcher:
-    """Routes a received event to its handlers and runs each one idempotently."""
+    """Routes a delivered message to the handlers of its event type, runs each one
+    idempotently, and decides what the transport does with the message (:meth:`receive`).
 
-    def __init__(self, *, handlers: Iterable[str | type[IdempotentHandler]] | None = None) -> None:
+    ``max_retries``: deliveries of a failing message after the first before it is
+    dead-lettered (default OUTBOX_CONSUMER_MAX_RETRIES). ``retry_delay``: the pause before
+    the second delivery, doubled for each one after it, at most :data:`MAX_RETRY_DELAY`
+    (0: none).
+    """
+
+    def __init__(
+        self,
+        *,
+        handlers: Iterable[str | type[IdempotentHandler]] | None = None,
+        max_retries: int | None = None,
+        retry_delay: float = 1.0,
+    ) -> None:
         self.handler_classes = get_handlers(handlers)
         self.handlers = [cls() for cls in self.handler_classes]
+        self.max_retries = (
+            outbox_settings.CONSUMER_MAX_RETRIES if max_retries is None else max_retries
+        )
+        self.retry_backoff = Backoff(initial=retry_delay, maximum=MAX_RETRY_DELAY)
         self._warned_types: set[str] = set()
         self._seen_formats: set[str] = set()
 
@@ -98,7 +150,7 @@ class Dispatcher:
         results = []
         for handler in handlers:
             with tracing.processing(event, handler.handler_name()) as span:
-                result = handler.run(event)
+                result = handler.attempt(event)
                 span.outcome(result.outcome.value, result.error)
             log = logger.info if result.outcome is Outcome.DUPLICATE else logger.debug
             log(
@@ -112,58 +164,63 @@ class Dispatcher:
             results.append(result)
         return results
 
-    def process_message(
-        self,
-        body: bytes,
-        *,
-        message_id: str | None,
-        message_type: str | None,
-        headers: Mapping[str, Any] | None,
-        redelivered: bool = False,
-        content_type: str | None = None,
-    ) -> list[HandlerResult]:
+    def process_message(self, delivery: Delivery) -> list[HandlerResult]:
+        """Decode the message and run its handlers: each handler's result (one UNDECODABLE
+        result for a message that is not a well-formed outbox event)."""
         try:
-            event = decode(
-                body,
-                message_id=message_id,
-                message_type=message_type,
-                headers=headers,
-                redelivered=redelivered,
-                content_type=content_type,
-            )
+            event = decode(delivery)
         except UndecodableMessage as exc:
-            logger.error("undecodable message %r: %s", message_id, exc)
+            logger.error("undecodable message %r: %s", delivery.message_id, exc)
             return [
                 HandlerResult(
                     Outcome.UNDECODABLE,
-                    event_id=_shown_id(message_id),
-                    event_type=_shown_id(message_type),
+                    event_id=_shown_id(delivery.message_id),
+                    event_type=_shown_id(delivery.message_type),
                     error=error_text(str(exc)),
                 )
             ]
         return self.process(event)
 
-    def receive(
-        self,
-        body: bytes,
-        *,
-        message_id: str | None,
-        message_type: str | None,
-        headers: Mapping[str, Any] | None,
-        redelivered: bool = False,
-        content_type: str | None = None,
-    ) -> tuple[Outcome, list[HandlerResult]]:
-        """Process one delivered message: the outcome that says how to settle it with the
-        broker (:attr:`Outcome.acknowledge`), and each handler's result."""
-        results = self.process_message(
-            body,
-            message_id=message_id,
-            message_type=message_type,
-            headers=headers,
-            redelivered=redelivered,
-            content_type=content_type,
+    def receive(self, delivery: Delivery, *, hold_lost_connection: bool = True) -> Decision:
+        """Process one delivered message and decide what its transport does with it.
+
+        A handler that lost its database connection is the consumer's fault, not the
+        message's: with ``hold_lost_connection`` the decision is HOLD (the transport keeps
+        the message unsettled and counts no delivery). Without it, it is a failure like any
+        other: RETRY, or DEAD_LETTER once the message has been delivered ``max_retries``
+        times after the first, or at once when the transport could not count deliveries.
+        """
+        results = tuple(self.process_message(delivery))
+        outcome = message_outcome(results)
+        error = next((r.error for r in results if r.error), "")
+        lost = next((r for r in results if r.lost_database), None)
+        if lost is not None and hold_lost_connection:
+            return Decision(
+                Action.HOLD, outcome, results, database=lost.lost_database, error=lost.error
+            )
+        if outcome.acknowledge:
+            return Decision(Action.ACKNOWLEDGE, outcome, results)
+        if outcome in (Outcome.UNDECODABLE, Outcome.OUT_OF_ORDER):
+            reason = next((r.error for r in results if r.outcome is outcome), "")
+            return self._dead_letter(outcome, results, f"{outcome.value}: {reason}", error)
+        if delivery.count_error:
+            # The count cannot be kept: retrying could loop for good.
+            reason = f"failed: {error}; {delivery.count_error}"
+            return self._dead_letter(outcome, results, reason, error)
+        if delivery.number > self.max_retries:
+            # Not left to a broker's own limit (a quorum queue's): that would lose the reason.
+            reason = f"failed {delivery.number} time(s): {error}"
+            return self._dead_letter(outcome, results, reason, error)
+        delay = self.retry_backoff.pause(delivery.number)
+        return Decision(Action.RETRY, outcome, results, delay=delay, error=error)
+
+    @staticmethod
+    def _dead_letter(
+        outcome: Outcome, results: tuple[HandlerResult, ...], reason: str, error: str
+    ) -> Decision:
+        return Decision(
+            Action.DEAD_LETTER, outcome, results, reason=error_text(reason), error=error
         )
-        return message_outcome(results), results
 
 
 def _shown_id(value: Any) -> str:
@@ -181,11 +238,13 @@ class ConsumeResult:
     #: Decoded messages per format (ReceivedEvent.format); undecodable ones are in none.
     formats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FORMATS, 0))
 
-    def add(self, outcome: Outcome, message_format: str = "") -> None:
+    def add(self, decision: Decision) -> None:
         self.messages += 1
-        self.counts[outcome] += 1
-        if message_format:
-            self.formats[message_format] = self.formats.get(message_format, 0) + 1
+        self.counts[decision.outcome] += 1
+        if decision.action is Action.DEAD_LETTER:
+            self.dead_lettered += 1
+        if decision.message_format:
+            self.formats[decision.message_format] = self.formats.get(decision.message_format, 0) + 1
 
     def summary(self) -> str:
         parts = ", ".join(f"{o.value} {n}" for o, n in self.counts.items() if n)
@@ -210,13 +269,4 @@ def process_messages(
     An in-process consumer for tests: one list of results per message.
     """
     dispatcher = dispatcher or Dispatcher()
-    return [
-        dispatcher.process_message(
-            m.body,
-            message_id=m.message_id,
-            message_type=m.type,
-            headers=m.headers,
-            content_type=m.content_type,
-        )
-        for m in messages
-    ]
+    return [dispatcher.process_message(m.delivery()) for m in messages]

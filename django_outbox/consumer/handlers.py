@@ -171,7 +171,7 @@ class IdempotentHandler:
 
         ``handle()`` and the record of ``source_event_id`` commit in one transaction; if
         ``handle()`` raises, that transaction is rolled back and the exception propagates
-        (a Celery task retries on it, :meth:`run` turns it into FAILED). With
+        (a Celery task retries on it, :meth:`attempt` turns it into FAILED). With
         ``out_of_order`` set, an event that cannot be applied in order now rolls back and
         raises ``_OutOfOrder`` (its ``outcome`` is EARLY or OUT_OF_ORDER).
         """
@@ -202,7 +202,7 @@ class IdempotentHandler:
             raise
         return Outcome.PROCESSED
 
-    def run(self, event: ReceivedEvent) -> HandlerResult:
+    def attempt(self, event: ReceivedEvent) -> HandlerResult:
         """Handle the event once, idempotently; never raises for a handler failure."""
         result = {
             "handler": self.handler_name(),

@@ -32,6 +32,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING, Any
 
+from django_outbox import message
 from django_outbox.backends.base import BrokerUnavailable, PublishResult, Reason, SyncBackend
 from django_outbox.conf import outbox_settings
 from django_outbox.formats import MessageFormat
@@ -56,6 +57,18 @@ class Delivery:
     redelivered: bool = False
     tag: int = 0
     content_type: str = "application/json"
+
+    def received(self) -> message.Delivery:
+        """What a consumer's transport hands the dispatcher."""
+        return message.Delivery(
+            self.body,
+            message_id=self.message_id,
+            message_type=self.type,
+            headers=self.headers,
+            content_type=self.content_type,
+            redelivered=self.redelivered,
+            transport="demo",
+        )
 
 
 class InProcessBroker:

@@ -44,8 +44,9 @@ from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
 from django.db.migrations.executor import MigrationExecutor
 
+from django_outbox import message
 from django_outbox.conf import broker_urls, outbox_settings
-from django_outbox.consumer import Dispatcher, Outcome
+from django_outbox.consumer import Action, Decision, Dispatcher, Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent, Status
 from orders.models import Order
@@ -53,7 +54,7 @@ from orders.services import create_order
 from points.models import PointsLedger
 
 from . import backends
-from .broker import Delivery, InProcessBroker
+from .broker import InProcessBroker
 
 logger = logging.getLogger("demo")
 
@@ -273,19 +274,12 @@ MESSAGE_FORMATS = {
 }
 
 
-def receive(dispatcher: Dispatcher, delivery: Delivery, tally: Tally) -> Outcome:
-    """The consumer's own path (``Consumer.handle_delivery`` runs it too), minus settling
-    with the broker: the demo acknowledges, or crashes before it does. Counted in ``tally``."""
-    outcome, results = dispatcher.receive(
-        delivery.body,
-        message_id=delivery.message_id,
-        message_type=delivery.type,
-        headers=delivery.headers,
-        redelivered=delivery.redelivered,
-        content_type=delivery.content_type,
-    )
-    tally.add(outcome, message_format=results[0].message_format if results else "")
-    return outcome
+def receive(dispatcher: Dispatcher, delivery: message.Delivery, tally: Tally) -> Decision:
+    """The consumer's own path (every transport's loop runs it too), minus settling with the
+    broker: the demo acknowledges, or crashes before it does. Counted in ``tally``."""
+    decision = dispatcher.receive(delivery)
+    tally.add(decision.outcome, message_format=decision.message_format)
+    return decision
 
 
 class EmbeddedTransport:
@@ -321,15 +315,15 @@ class EmbeddedTransport:
             delivery = self.broker.get()
             if delivery is None:
                 break
-            receive(self.dispatcher, delivery, tally)  # committed, not acked
+            receive(self.dispatcher, delivery.received(), tally)  # committed, not acked
         self.broker.recover()  # the connection drops: what was not acked goes back
         return tally, lost
 
     def consume(self) -> Tally:
         tally = Tally()
         while (delivery := self.broker.get()) is not None:
-            outcome = receive(self.dispatcher, delivery, tally)
-            if outcome.acknowledge:
+            decision = receive(self.dispatcher, delivery.received(), tally)
+            if decision.action is Action.ACKNOWLEDGE:
                 self.broker.ack(delivery.tag)
             else:
                 self.broker.reject(delivery.tag)
@@ -417,14 +411,14 @@ class RabbitTransport:
                 method, props, body = channel.basic_get(self.queue, auto_ack=False)
                 if method is None:
                     break
-                delivery = Delivery(
-                    body=body,
+                delivery = message.Delivery(
+                    body,
                     message_id=props.message_id,
-                    type=props.type,
-                    routing_key=method.routing_key,
+                    message_type=props.type,
                     headers=dict(props.headers or {}),
+                    content_type=props.content_type,
                     redelivered=method.redelivered,
-                    content_type=props.content_type or "",
+                    transport="amqp",
                 )
                 receive(self.dispatcher, delivery, tally)  # committed, not acked
         # The connection is closed with those messages unacknowledged: RabbitMQ requeues them.

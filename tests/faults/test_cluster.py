@@ -115,7 +115,7 @@ def test_a_node_stopped_under_the_consumer_it_goes_on_through_the_next(cluster):
     assert consumer.arguments["x-queue-type"] == "quorum"
     stop = threading.Event()
     results = []
-    thread = db_thread(lambda: results.append(consumer.run(stop=stop)))
+    thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
     thread.start()
     try:
         assert wait_until(lambda: consumer._channel is not None, timeout=30)

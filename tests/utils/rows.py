@@ -6,7 +6,8 @@
 - :func:`make_inbox` inserts consumer inbox rows processed at chosen ages (database clock);
 - :func:`unsaved_event` builds a row that is never saved, only handed to the encoders, a
   backend or a consumer; :func:`wire_rows` is a batch of them whose every field shows on
-  the wire.
+  the wire; :func:`delivered` is a row as a consumer's transport hands it over, and
+  :func:`decided` what a consumer made of a message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 from django.db import connections
 from django.utils import timezone as django_timezone
 
+from django_outbox.consumer import Action, Decision, HandlerResult, Outcome
+from django_outbox.message import Delivery, encode_body, encode_headers
 from django_outbox.models import InboxMessage, OutboxEvent, Status, outbox_db
 from django_outbox.stats import db_now
 
@@ -142,3 +145,31 @@ def wire_rows(
         )
         for pk in range(start, start + count)
     ]
+
+
+def delivered(event: OutboxEvent, **fields: Any) -> Delivery:
+    """``event`` as a native message that a consumer's transport delivered (``fields``
+    change what it says: ``redelivered``, ``number``, ``content_type``, ...)."""
+    return Delivery(
+        encode_body(event),
+        message_id=event.event_id,
+        message_type=event.event_type,
+        headers=encode_headers(event),
+        **fields,
+    )
+
+
+def decided(outcome: Outcome, message_format: str = "", action: Action | None = None) -> Decision:
+    """A consumer's decision on one message: its outcome, the format it came in (none:
+    undecodable), and what the transport does (by default what the outcome implies)."""
+    if action is None:
+        retried = outcome in (Outcome.FAILED, Outcome.EARLY)
+        action = (
+            Action.ACKNOWLEDGE
+            if outcome.acknowledge
+            else Action.RETRY
+            if retried
+            else Action.DEAD_LETTER
+        )
+    results = (HandlerResult(outcome, message_format=message_format),) if message_format else ()
+    return Decision(action, outcome, results)

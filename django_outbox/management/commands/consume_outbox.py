@@ -12,7 +12,12 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
-from ...consumer import Consumer, ImproperlyConfiguredHandler, get_handlers
+from ...consumer import (
+    Consumer,
+    ImproperlyConfiguredConsumer,
+    ImproperlyConfiguredHandler,
+    get_handlers,
+)
 from ...worker import configure_logging, stop_on_signals
 from ..errors import DatabaseCommand
 from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
@@ -66,8 +71,8 @@ class Command(DatabaseCommand):
             "--retry-delay",
             type=non_negative_duration,
             default=1.0,
-            help="Pause before a failed message is retried, times its delivery number "
-            "(default 1s; 0 for none).",
+            help="Pause before a failed message is delivered again, doubled for each delivery "
+            "after that, at most 30s (default 1s; 0 for none).",
         )
         parser.add_argument(
             "--max-messages",
@@ -133,13 +138,13 @@ class Command(DatabaseCommand):
                 queue_type=queue_type,
                 retry_delay=retry_delay,
             )
-        except ImproperlyConfiguredHandler as exc:
+        except (ImproperlyConfiguredHandler, ImproperlyConfiguredConsumer) as exc:
             raise CommandError(str(exc), returncode=2) from exc
         if verbosity >= 1:
             self.stderr.write(f"consume_outbox: {consumer.queue} on {consumer.nodes}")
         stop = threading.Event()
         with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
-            result = consumer.run(stop=stop, max_messages=max_messages, until_idle=once)
+            result = consumer.serve(stop=stop, max_messages=max_messages, until_idle=once)
         if json:
             self.stdout.write(dumps(result.as_dict(), sort_keys=True))
         else:
