@@ -110,7 +110,11 @@ class IdempotentTask(Task):
         self, handler: IdempotentHandler, received: ReceivedEvent, span: tracing.ProcessSpan
     ) -> Outcome:
         """``handler.process()``; a failure is retried with a growing pause, up to
-        ``max_retries`` times, then raised."""
+        ``max_retries`` times, then raised. A database failing under the task (a lost
+        connection, a missing table, a lock timeout) is not the message's fault: retried
+        with the same pause until it answers, never counted toward ``max_retries``."""
+        from .consumer.handlers import database_fault
+
         try:
             return handler.process(received)
         except (Retry, Ignore, Reject, UndecodableMessage):
@@ -118,9 +122,23 @@ class IdempotentTask(Task):
         except Exception as exc:
             span.exception(exc)  # the handler's error, not the Retry raised for it
             retries = self.request.retries or 0
-            if self.request.called_directly or retries >= self.max_retries:
+            if self.request.called_directly:
                 raise
             countdown = min(self.default_retry_delay * 2**retries, self.retry_backoff_max)
+            if database_fault(exc):
+                logger.warning(
+                    "task %s: the database failed on %s %s; rolled back, retrying in %ss "
+                    "(not counted toward max_retries): %s",
+                    self.name,
+                    received.event_type,
+                    received.event_id,
+                    countdown,
+                    exc,
+                )
+                # One more than this retry: Celery's limit never ends it.
+                raise self.retry(exc=exc, countdown=countdown, max_retries=retries + 1) from exc
+            if retries >= self.max_retries:
+                raise
             logger.warning(
                 "task %s failed on %s %s (attempt %d of %d); rolled back, retrying in %ss: %s",
                 self.name,

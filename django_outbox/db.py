@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.models.functions import Now
 
 from ._compat.django import clear_errors, forget_connection, had_errors
+
+if TYPE_CHECKING:
+    from django.db.models import Model
 
 
 class DbNow(Now):
@@ -181,3 +184,12 @@ def database_answers(using: str, *, attempts: int = 1) -> bool:
         else:
             return True
     return False
+
+
+def missing_tables(using: str, models: Iterable[type[Model]]) -> list[type[Model]]:
+    """The models among ``models`` whose table database ``using`` lacks (their app's
+    migrations have not run there). Raises the driver's error when it does not answer."""
+    connection = connections[using]
+    with connection.cursor() as cursor:
+        tables = set(connection.introspection.table_names(cursor))
+    return [model for model in models if model._meta.db_table not in tables]

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from celery import shared_task
+from django.db import connection
 
 from django_outbox.celery import IdempotentTask
 from django_outbox.message import ReceivedEvent
@@ -45,3 +46,15 @@ def blocking_award(event: ReceivedEvent) -> None:
         marker.write_text(event.event_id)
         while marker.exists():
             time.sleep(0.05)
+
+
+@shared_task(
+    base=IdempotentTask, name="tests.database_fault_award", dedup_model=PointsLedger, max_retries=1
+)
+def database_fault_award(event: ReceivedEvent) -> None:
+    """Its database refuses the first four calls (a table not migrated yet), then it works."""
+    calls[event.event_id] = calls.get(event.event_id, 0) + 1
+    if calls[event.event_id] <= 4:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM table_not_migrated_yet")
+    AwardPointsHandler().handle(event)

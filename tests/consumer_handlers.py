@@ -10,6 +10,7 @@ from pathlib import Path
 from django_outbox.consumer import IdempotentHandler
 from points.handlers import AwardPointsHandler
 from points.models import PointsLedger
+from tests.testapp.models import NeverMigrated, Widget
 
 
 class InboxPointsHandler(IdempotentHandler):
@@ -130,3 +131,36 @@ class DeadlockHandler(AwardPointsHandler):
 
         super().handle(event)
         raise OperationalError("deadlock detected")
+
+
+class UnmigratedHandler(IdempotentHandler):
+    """De-duplicates by a model whose table was never migrated."""
+
+    event_types = ["ORDER_CREATED"]
+    dedup_model = NeverMigrated
+    name = "tests.unmigrated"
+
+    def handle(self, event):
+        NeverMigrated.objects.create(source_event_id=event.event_id)
+
+
+class MissingTableHandler(IdempotentHandler):
+    """Inbox style (its tables exist), but writes to a table that may not: the database's
+    fault under the handler, never the message's."""
+
+    event_types = ["ORDER_CREATED"]
+    name = "tests.missing_table"
+
+    def handle(self, event):
+        NeverMigrated.objects.create(source_event_id=event.event_id)
+
+
+class LockedRowHandler(AwardPointsHandler):
+    """Writes its row, then asks for a row lock without waiting (NOWAIT): a lock held
+    elsewhere makes the database refuse, as a lock timeout would."""
+
+    name = "tests.locked_row"
+
+    def handle(self, event):
+        super().handle(event)
+        list(Widget.objects.select_for_update(nowait=True).filter(code="locked"))

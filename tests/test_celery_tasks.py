@@ -197,6 +197,16 @@ def test_a_failing_task_rolls_back_retries_then_fails():
     assert PointsLedger.objects.count() == 0
 
 
+def test_a_database_fault_is_retried_without_counting_toward_max_retries():
+    """A missing table under the task is the consumer's fault: before, the task failed after
+    max_retries + 1 calls and Celery acknowledged (dropped) the message."""
+    message = envelope()
+    result = celery_tasks.database_fault_award.apply(args=[message])
+    assert result.successful(), result.traceback
+    assert celery_tasks.calls[message["event_id"]] == 5  # max_retries=1
+    assert PointsLedger.objects.get().source_event_id == message["event_id"]
+
+
 def test_the_function_can_be_called_with_a_received_event():
     event = ReceivedEvent(
         event_id=uuid.uuid4().hex,

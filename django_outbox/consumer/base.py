@@ -10,9 +10,10 @@ every broker:
   (to the next broker node at once while one is left in this round, else after a growing
   pause; :class:`~django_outbox.worker.BrokerNodes`);
 - each message is decided by the :class:`~django_outbox.consumer.dispatch.Dispatcher`; a
-  message whose handler lost its database connection is *held*: neither settled nor
-  counted, the consumer takes no other one meanwhile and tries it again once the database
-  answers (:meth:`BaseConsumer._decide`).
+  message whose handler's database failed (a lost connection, a missing table, a lock
+  timeout) is *held*: neither settled nor counted, the consumer takes no other one
+  meanwhile and tries it again after a growing pause, once the database answers
+  (:meth:`BaseConsumer._decide`).
 """
 
 from __future__ import annotations
@@ -244,13 +245,14 @@ class BaseConsumer(ABC, Generic[M]):
         return True
 
     def _decide(self, stop: threading.Event, message: M) -> Decision | None:
-        """Decide ``message`` and settle it, holding it through an outage of the database.
+        """Decide ``message`` and settle it, holding it through a fault of the database.
 
-        An outage of the consumer's own database is nobody's fault: the message is neither
-        acked nor returned (a return counts a delivery against it on some brokers), the
-        consumer takes no other one meanwhile, waits with a growing pause until the database
-        answers, then handles the same delivery again. A connection lost while the database
-        answers at once is retried at once, :data:`LOST_CONNECTION_RETRIES` times. None:
+        An outage of the consumer's own database, or a fault of it (a missing table, a lock
+        timeout) is not the message's: the message is neither acked nor returned (a return
+        counts a delivery against it on some brokers), the consumer takes no other one
+        meanwhile, waits with a growing pause until the database answers, then handles the
+        same delivery again. A connection lost while the database answers at once is
+        retried at once, :data:`LOST_CONNECTION_RETRIES` times; after that it counts. None:
         ``stop`` was set while waiting; the message is still unsettled (closing the
         iterator of :meth:`messages` returns it, once).
         """
@@ -269,7 +271,7 @@ class BaseConsumer(ABC, Generic[M]):
                         return decision
             finally:
                 tidy_connections()
-            if database_answers(decision.database):
+            if decision.connection_lost and database_answers(decision.database):
                 quick_losses += 1
                 logger.warning(
                     "message %r: the connection to database %r was lost and the database "
@@ -309,12 +311,14 @@ class BaseConsumer(ABC, Generic[M]):
     ) -> bool:
         """Wait until the database answers (True) or ``stop`` is set (False), keeping the
         broker connection serviced (heartbeats) and the message unsettled."""
+        state = "unavailable" if held.connection_lost else "failed"
         while True:
             pause = backoff.next()
             logger.warning(
-                "database %r unavailable (%s); holding message %r unacknowledged (no delivery "
-                "counted) and taking no other; retrying in %.1fs",
+                "database %r %s (%s); holding message %r unacknowledged (no delivery counted) "
+                "and taking no other; retrying in %.1fs",
                 held.database,
+                state,
                 held.error,
                 message_id,
                 pause,

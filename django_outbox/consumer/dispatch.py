@@ -57,8 +57,11 @@ class Decision:
     reason: str = ""
     #: RETRY: the pause before the message is delivered again, in seconds.
     delay: float = 0.0
-    #: HOLD: the alias of the database whose connection failed.
+    #: HOLD: the alias of the database that failed.
     database: str = ""
+    #: HOLD: the connection to it was lost (else the database failed while answering: a
+    #: missing table, a lock timeout).
+    connection_lost: bool = False
     #: The first handler's error (``""`` when none failed).
     error: str = ""
 
@@ -184,11 +187,13 @@ class Dispatcher:
     def receive(self, delivery: Delivery, *, hold_lost_connection: bool = True) -> Decision:
         """Process one delivered message and decide what its transport does with it.
 
-        A handler that lost its database connection is the consumer's fault, not the
-        message's: with ``hold_lost_connection`` the decision is HOLD (the transport keeps
-        the message unsettled and counts no delivery). Without it, it is a failure like any
-        other: RETRY, or DEAD_LETTER once the message has been delivered ``max_retries``
-        times after the first, or at once when the transport could not count deliveries.
+        A handler whose database failed (a lost connection, a missing table, a lock
+        timeout) is the consumer's fault, not the message's: the decision is HOLD (the
+        transport keeps the message unsettled and counts no delivery). A lost connection is
+        held only with ``hold_lost_connection``; without it, it is a failure like any other.
+        A failure is RETRY, or DEAD_LETTER once the message has been delivered
+        ``max_retries`` times after the first, or at once when the transport could not
+        count deliveries.
         """
         results = tuple(self.process_message(delivery))
         outcome = message_outcome(results)
@@ -196,7 +201,17 @@ class Dispatcher:
         lost = next((r for r in results if r.lost_database), None)
         if lost is not None and hold_lost_connection:
             return Decision(
-                Action.HOLD, outcome, results, database=lost.lost_database, error=lost.error
+                Action.HOLD,
+                outcome,
+                results,
+                database=lost.lost_database,
+                connection_lost=True,
+                error=lost.error,
+            )
+        fault = next((r for r in results if r.database_fault), None)
+        if fault is not None:
+            return Decision(
+                Action.HOLD, outcome, results, database=fault.database_fault, error=fault.error
             )
         if outcome.acknowledge:
             return Decision(Action.ACKNOWLEDGE, outcome, results)

@@ -34,7 +34,9 @@ from django.apps import apps
 from django.db import (
     IntegrityError,
     InterfaceError,
+    InternalError,
     OperationalError,
+    ProgrammingError,
     connections,
     models,
     router,
@@ -81,6 +83,9 @@ class HandlerResult:
     #: FAILED because the connection to this database was lost (or could not be opened):
     #: nothing in the message is to blame. The alias; "" for any other outcome or failure.
     lost_database: str = ""
+    #: FAILED because this database failed under the handler (a missing table, a lock
+    #: timeout, a deadlock): the consumer's infrastructure, not the message. The alias.
+    database_fault: str = ""
     #: The format the message came in (``ReceivedEvent.format``); "" if undecodable.
     message_format: str = ""
 
@@ -158,13 +163,20 @@ class IdempotentHandler:
             f"(binds {', '.join(cls.bindings())}; {style})"
         )
 
-    def database(self) -> str:
-        model = self.dedup_model
-        if model is None:
-            from ..models import InboxMessage
+    @classmethod
+    def models(cls) -> list[type[models.Model]]:
+        """The models this handler records events in: its ``dedup_model`` or the inbox, and
+        the aggregates' last sequences when it checks the order. Their tables must exist on
+        :meth:`database` before it takes a message (``consume_outbox`` checks at start)."""
+        from ..models import AggregateSequence, InboxMessage
 
-            model = InboxMessage
-        return router.db_for_write(model)
+        used: list[type[models.Model]] = [cls.dedup_model or InboxMessage]
+        if cls.out_of_order:
+            used.append(AggregateSequence)
+        return used
+
+    def database(self) -> str:
+        return router.db_for_write(self.models()[0])
 
     def process(self, event: ReceivedEvent) -> Outcome:
         """Handle the event once: PROCESSED, or DUPLICATE if it was handled before.
@@ -239,6 +251,18 @@ class IdempotentHandler:
                 return HandlerResult(
                     Outcome.FAILED, error=error_text(exc), lost_database=using, **result
                 )
+            if database_fault(exc):
+                logger.error(
+                    "handler %s: database %r failed on %s %s; rolled back: %s",
+                    result["handler"],
+                    using,
+                    event.event_type,
+                    event.event_id,
+                    error_text(exc),
+                )
+                return HandlerResult(
+                    Outcome.FAILED, error=error_text(exc), database_fault=using, **result
+                )
             return self._failed(event, exc, result)
         return HandlerResult(outcome, **result)
 
@@ -312,6 +336,31 @@ class IdempotentHandler:
         return HandlerResult(Outcome.FAILED, error=error, **result)
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or while handling (a handler may wrap
+    a database error in its own)."""
+    seen: list[BaseException] = []
+    error: BaseException | None = exc
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+#: Database errors that are the database's or the schema's, never the message's: a missing
+#: table or column (ProgrammingError), a lock timeout, a deadlock, a connection error
+#: (OperationalError, InterfaceError), an aborted transaction (InternalError). An
+#: IntegrityError or a DataError is about the values the handler wrote: the message's.
+DATABASE_FAULTS = (OperationalError, InterfaceError, ProgrammingError, InternalError)
+
+
+def database_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a database failing under the handler (anywhere in its chain),
+    which no delivery of the message can cure: the consumer holds the message and backs
+    off instead of counting the failure against it."""
+    return any(isinstance(e, DATABASE_FAULTS) for e in _chain(exc))
+
+
 def connection_lost(exc: BaseException, connection: Any, opened: Any) -> bool:
     """Whether ``exc`` means the handler's database connection is gone, not a handler bug.
 
@@ -321,14 +370,9 @@ def connection_lost(exc: BaseException, connection: Any, opened: Any) -> bool:
     gone: it could not be opened (None), ``atomic()`` dropped it because even the rollback
     failed (Django may already have opened a new one by then), or it no longer answers.
     A deadlock or a lock timeout is an ``OperationalError`` on a connection that still
-    works: a failure of the handler.
+    works: not a lost connection, but a database fault all the same (:func:`database_fault`).
     """
-    seen: list[BaseException] = []
-    error: BaseException | None = exc
-    while error is not None and error not in seen:
-        seen.append(error)
-        error = error.__cause__ or error.__context__
-    if not any(isinstance(e, (OperationalError, InterfaceError)) for e in seen):
+    if not any(isinstance(e, (OperationalError, InterfaceError)) for e in _chain(exc)):
         return False
     if opened is None or connection.connection is not opened:
         return True

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils.connection import ConnectionDoesNotExist
 
-from ..db import database_answers
+if TYPE_CHECKING:
+    from django.db.models import Model
+
+from ..db import database_answers, missing_tables
 from ..masking import mask_url
 from ..models import outbox_db
 
@@ -73,6 +76,29 @@ def require_database(command: str, using: str) -> None:
         raise unreachable(command, using, exc) from exc
 
 
+def require_tables(command: str, needed: dict[str, dict[type[Model], str]]) -> None:
+    """Exit 2 in one line when a database lacks a table the run writes: per alias, each
+    model and who needs it (a handler's name). What to migrate is named, app by app."""
+    missing: list[str] = []
+    apps: dict[str, set[str]] = {}
+    for using, models in needed.items():
+        for model in missing_tables(using, models):
+            missing.append(
+                f"{model._meta.db_table} ({model._meta.label}, for {models[model]}) on "
+                f"{describe(using)}"
+            )
+            apps.setdefault(using, set()).add(model._meta.app_label)
+    if not missing:
+        return
+    run = "; ".join(
+        f"`manage.py migrate {' '.join(sorted(labels))} --database {using}`"
+        for using, labels in apps.items()
+    )
+    raise CommandError(
+        f"{command}: missing table(s): {'; '.join(missing)}. Run {run} first.", returncode=2
+    )
+
+
 def require_outbox_table(command: str, using: str) -> None:
     """Exit 2 in one line when ``using`` has no outbox table: a relay there would fail
     every pass, and a database added for the outbox is easily left unmigrated."""
@@ -115,11 +141,17 @@ class DatabaseCommand(BaseCommand):
     def command_name(self) -> str:
         return type(self).__module__.rpartition(".")[2]
 
+    def tables_needed(self, options: dict[str, Any]) -> dict[str, dict[type[Model], str]]:
+        """Tables the run writes besides the outbox's, by alias: model -> who needs it.
+        Checked at start, after the connection (exit 2 naming what to migrate)."""
+        return {}
+
     def execute(self, *args: Any, **options: Any) -> str | None:
         for using in self.databases_needed(options):
             require_database(self.command_name, using)
             if self.needs_outbox_table:
                 require_outbox_table(self.command_name, using)
+        require_tables(self.command_name, self.tables_needed(options))
         return super().execute(*args, **options)  # type: ignore[no-any-return]
 
     def check(self, *args: Any, **kwargs: Any) -> None:

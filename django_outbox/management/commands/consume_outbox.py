@@ -1,19 +1,20 @@
 """manage.py consume_outbox: run the IdempotentHandlers over a RabbitMQ queue.
 
 Exit codes: 0 stopped by a signal, or ``--once``/``--max-messages`` done; 1 a second
-signal; 2 misconfigured, or the handlers' database unreachable at start.
+signal; 2 misconfigured, or the handlers' database unreachable or unmigrated at start.
 """
 
 from __future__ import annotations
 
 import threading
 from json import dumps
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import CommandError, CommandParser
 
 from ...consumer import (
     Consumer,
+    IdempotentHandler,
     ImproperlyConfiguredConsumer,
     ImproperlyConfiguredHandler,
     get_handlers,
@@ -21,6 +22,9 @@ from ...consumer import (
 from ...worker import configure_logging, stop_on_signals
 from ..errors import DatabaseCommand
 from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
+
+if TYPE_CHECKING:
+    from django.db.models import Model
 
 
 class Command(DatabaseCommand):
@@ -96,16 +100,30 @@ class Command(DatabaseCommand):
 
     needs_outbox_table = False  # the handlers write inbox or business rows
 
-    def databases_needed(self, options: dict[str, Any]) -> list[str]:
-        """Where the handlers write (their de-duplication model's database); none for
-        --list. Once running, the consumer holds the message in hand through an outage."""
+    def _handlers(self, options: dict[str, Any]) -> list[type[IdempotentHandler]]:
+        """The handlers this run takes; none for --list or when they cannot be loaded
+        (handle() says what is wrong with them, exit 2)."""
         if options.get("list"):
             return []
         try:
-            classes = get_handlers(options.get("handlers"))
+            return get_handlers(options.get("handlers"))
         except ImproperlyConfiguredHandler:
-            return []  # handle() says what is wrong with them, exit 2
-        return sorted({cls().database() for cls in classes})
+            return []
+
+    def databases_needed(self, options: dict[str, Any]) -> list[str]:
+        """Where the handlers write (their de-duplication model's database). Once running,
+        the consumer holds the message in hand through an outage."""
+        return sorted({cls().database() for cls in self._handlers(options)})
+
+    def tables_needed(self, options: dict[str, Any]) -> dict[str, dict[type[Model], str]]:
+        """Each handler's de-duplication tables (its model or the inbox, the aggregates'
+        sequences): a message taken while one is missing could only fail."""
+        needed: dict[str, dict[type[Model], str]] = {}
+        for cls in self._handlers(options):
+            tables = needed.setdefault(cls().database(), {})
+            for model in cls.models():
+                tables.setdefault(model, f"handler {cls.handler_name()}")
+        return needed
 
     def handle(
         self,
