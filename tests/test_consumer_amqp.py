@@ -5,18 +5,25 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
+from contextlib import contextmanager
 from io import StringIO
 
 import pika
 import pytest
 from django.core.management import call_command
 
-from django_outbox.consumer import Consumer, Outcome
+from django_outbox.consumer import Outcome
 from django_outbox.message import encode_body
 from points.models import PointsLedger
-from tests.utils.amqp import AWARD, make_consumer, properties
+from tests.utils.amqp import (
+    AWARD,
+    consume,
+    consume_outbox_command,
+    make_consumer,
+    properties,
+    serving,
+)
 from tests.utils.rows import unsaved_event
 from tests.utils.subprocess import database_url, django_env, manage_command
 from tests.utils.threads import db_thread
@@ -24,13 +31,13 @@ from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
 
+FAILING = "tests.consumer_handlers.FailingHandler"
+BLOCKING = "tests.consumer_handlers.BlockingPointsHandler"
+
 
 def test_same_message_twice_one_row_two_acks(broker):
-    consumer = make_consumer(broker)
     event = unsaved_event()
-    broker.publish(event)
-    broker.publish(event)
-    result = consumer.serve(until_idle=True)
+    result = consume(broker, event, event)
     assert result.counts[Outcome.PROCESSED] == 1
     assert result.counts[Outcome.DUPLICATE] == 1
     assert PointsLedger.objects.filter(source_event_id=event.event_id).count() == 1
@@ -40,15 +47,8 @@ def test_same_message_twice_one_row_two_acks(broker):
 
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_type):
-    consumer = make_consumer(
-        broker,
-        handlers=["tests.consumer_handlers.FailingHandler"],
-        queue_type=queue_type,
-        max_retries=2,
-    )
     event = unsaved_event()
-    broker.publish(event)
-    result = consumer.serve(until_idle=True)
+    result = consume(broker, event, handlers=[FAILING], queue_type=queue_type, max_retries=2)
     # 1 delivery + 2 retries, each rolled back; then the dead-letter queue.
     assert result.counts[Outcome.FAILED] == 3
     assert result.dead_lettered == 1
@@ -63,7 +63,7 @@ def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_
 
 
 def test_failure_then_success_on_redelivery(broker):
-    consumer = make_consumer(broker, handlers=["tests.consumer_handlers.FailingHandler"])
+    consumer = make_consumer(broker, handlers=[FAILING])
     event = unsaved_event()
     broker.publish(event)
     result = consumer.serve(max_messages=1)
@@ -151,12 +151,7 @@ def test_a_delivery_count_that_is_not_one_dead_letters_a_failing_message(broker,
     failing message carrying one goes to the dead-letter queue at once, with the reason."""
     from django_outbox.consumer import DELIVERY_HEADER, REASON_HEADER
 
-    consumer = make_consumer(
-        broker,
-        handlers=["tests.consumer_handlers.FailingHandler"],
-        queue_type=queue_type,
-        max_retries=5,
-    )
+    consumer = make_consumer(broker, handlers=[FAILING], queue_type=queue_type, max_retries=5)
     event = unsaved_event()
     props = properties(event)
     name = "x-delivery-count" if queue_type == "quorum" else DELIVERY_HEADER
@@ -207,30 +202,31 @@ def test_thousand_events_with_redeliveries_exactly_once(broker, db_vendor):
     assert broker.count(broker.queue) == 0
 
 
-def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_path):
-    """kill -9 while the handler's row is written but not committed: nothing is acked."""
-    make_consumer(broker).close()
+@contextmanager
+def blocked_in_a_handler(broker, tmp_path, *events):
+    """consume_outbox in a child process, given ``events``, its handler stopped after
+    writing its row of the first (until the marker file it yields is removed)."""
+    make_consumer(broker).close()  # the queue and its bindings
+    for event in events:
+        broker.publish(event)
     marker = tmp_path / "blocked"
     env = django_env(AMQP_URL=broker.url, H3_BLOCK_FILE=str(marker))
-    command = manage_command(
-        "consume_outbox",
-        "--queue",
-        broker.queue,
-        "--exchange",
-        broker.exchange,
-        "--handler",
-        "tests.consumer_handlers.BlockingPointsHandler",
-    )
-    event = unsaved_event()
-    broker.publish(event)
+    command = consume_outbox_command(broker, "--handler", BLOCKING)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert wait_for(marker.exists, timeout=60), child.stderr.read1().decode()
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
+        yield child, marker
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_path):
+    """kill -9 while the handler's row is written but not committed: nothing is acked."""
+    event = unsaved_event()
+    with blocked_in_a_handler(broker, tmp_path, event) as (child, _marker):
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
     assert PointsLedger.objects.count() == 0
     result = make_consumer(broker).serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
@@ -238,31 +234,12 @@ def test_killed_between_handle_and_commit_the_message_comes_back(broker, tmp_pat
 
 
 def test_sigterm_finishes_the_message_in_hand_then_exits_0(broker, tmp_path):
-    make_consumer(broker).close()
-    marker = tmp_path / "blocked"
-    env = django_env(AMQP_URL=broker.url, H3_BLOCK_FILE=str(marker))
-    command = manage_command(
-        "consume_outbox",
-        "--queue",
-        broker.queue,
-        "--exchange",
-        broker.exchange,
-        "--handler",
-        "tests.consumer_handlers.BlockingPointsHandler",
-    )
     first, second = unsaved_event(pk=1), unsaved_event(pk=2)
-    broker.publish(first)
-    broker.publish(second)
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert wait_for(marker.exists, timeout=60), child.stderr.read1().decode()
+    with blocked_in_a_handler(broker, tmp_path, first, second) as (child, marker):
         child.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         marker.unlink()  # let the handler return: it commits, acks, and the loop stops
         out, err = child.communicate(timeout=60)
-    finally:
-        if child.poll() is None:
-            child.kill()
     assert child.returncode == 0, err.decode()
     assert b"processed 1" in out
     assert list(PointsLedger.objects.values_list("source_event_id", flat=True)) == [first.event_id]
@@ -310,27 +287,13 @@ def test_reconnects_after_the_connection_is_lost(broker):
 
     proxy, url = TcpProxy.for_url(broker.url)
     try:
-        consumer = Consumer(
-            handlers=[AWARD],
-            url=url,
-            queue=broker.queue,
-            exchange=broker.exchange,
-            idle_timeout=0.2,
-            retry_delay=0,
-        )
-        stop = threading.Event()
-        results = []
-        thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
-        thread.start()
-        assert wait_for(lambda: consumer._channel is not None)
-        first, second = unsaved_event(pk=1), unsaved_event(pk=2)
-        broker.publish(first)
-        assert wait_for(lambda: PointsLedger.objects.count() == 1)
-        proxy.cut()
-        broker.publish(second)
-        assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=30)
-        stop.set()
-        thread.join(timeout=30)
+        with serving(make_consumer(broker, url=url)) as results:
+            first, second = unsaved_event(pk=1), unsaved_event(pk=2)
+            broker.publish(first)
+            assert wait_for(lambda: PointsLedger.objects.count() == 1)
+            proxy.cut()
+            broker.publish(second)
+            assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=30)
     finally:
         proxy.close()
     # The first message's ack may be what the cut lost: then it comes back after the
@@ -353,36 +316,23 @@ def test_fails_over_to_the_next_node_when_its_node_dies(broker, caplog):
     node_a, url_a = TcpProxy.for_url(broker.url)
     node_b, url_b = TcpProxy.for_url(broker.url)
     try:
-        consumer = Consumer(
-            handlers=[AWARD],
-            url=[url_a, url_b],
-            queue=broker.queue,
-            exchange=broker.exchange,
-            idle_timeout=0.2,
-            retry_delay=0,
-        )
+        consumer = make_consumer(broker, url=[url_a, url_b])
         assert consumer.queue_type == "quorum"
-        stop = threading.Event()
-        results = []
-        thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
-        thread.start()
-        assert wait_for(lambda: consumer._channel is not None)
-        events = [unsaved_event(pk=n) for n in range(1, 4)]
-        broker.publish(events[0])
-        assert wait_for(lambda: PointsLedger.objects.count() == 1)
-        node_a.refuse()
-        node_a.cut()
-        started = time.monotonic()
-        broker.publish(events[1])
-        assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=30)
-        to_b = time.monotonic() - started
-        node_a.allow()
-        node_b.refuse()
-        node_b.cut()
-        broker.publish(events[2])
-        assert wait_for(lambda: PointsLedger.objects.count() == 3, timeout=30)
-        stop.set()
-        thread.join(timeout=30)
+        with serving(consumer) as results:
+            events = [unsaved_event(pk=n) for n in range(1, 4)]
+            broker.publish(events[0])
+            assert wait_for(lambda: PointsLedger.objects.count() == 1)
+            node_a.refuse()
+            node_a.cut()
+            started = time.monotonic()
+            broker.publish(events[1])
+            assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=30)
+            to_b = time.monotonic() - started
+            node_a.allow()
+            node_b.refuse()
+            node_b.cut()
+            broker.publish(events[2])
+            assert wait_for(lambda: PointsLedger.objects.count() == 3, timeout=30)
     finally:
         node_a.close()
         node_b.close()
@@ -427,20 +377,10 @@ def consumer_behind_a_database_proxy(broker, queue_type, stderr, max_retries=1):
 
     make_consumer(broker, queue_type=queue_type, max_retries=max_retries).close()
     proxy, url = TcpProxy.for_url(database_url())
-    command = manage_command(
-        "consume_outbox",
-        "--queue",
-        broker.queue,
-        "--exchange",
-        broker.exchange,
-        "--queue-type",
-        queue_type,
-        "--max-retries",
-        str(max_retries),
-        "--retry-delay",
-        "0",
-        "--handler",
-        AWARD,
+    command = consume_outbox_command(
+        broker,
+        *("--queue-type", queue_type, "--max-retries", str(max_retries)),
+        *("--retry-delay", "0", "--handler", AWARD),
     )
     env = django_env(AMQP_URL=broker.url, DATABASE_URL=url)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr)
@@ -534,15 +474,9 @@ def test_a_handler_that_breaks_its_own_connection_is_not_held_for_good(
     from django_outbox.consumer import LOST_CONNECTION_RETRIES, REASON_HEADER
 
     needs_a_database_server(db_vendor)
-    consumer = make_consumer(
-        broker,
-        handlers=["tests.consumer_handlers.ConnectionBreakingHandler"],
-        queue_type=queue_type,
-        max_retries=1,
-    )
     event = unsaved_event()
-    broker.publish(event)
-    result = consumer.serve(until_idle=True)
+    handlers = ["tests.consumer_handlers.ConnectionBreakingHandler"]
+    result = consume(broker, event, handlers=handlers, queue_type=queue_type, max_retries=1)
     # Each delivery: LOST_CONNECTION_RETRIES uncounted tries, then one counted failure.
     assert result.counts[Outcome.FAILED] == 2
     assert result.dead_lettered == 1

@@ -8,8 +8,6 @@ case the dead-letter queue stays empty. Real RabbitMQ, the test database.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from io import StringIO
 
 import pytest
@@ -19,26 +17,11 @@ from django.db import connection, transaction
 from django_outbox.consumer import Outcome
 from points.models import PointsLedger
 from tests.testapp.models import NeverMigrated, Widget
-from tests.utils.amqp import make_consumer
+from tests.utils.amqp import make_consumer, serving
 from tests.utils.rows import unsaved_event
-from tests.utils.threads import db_thread
 from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
-
-
-@contextmanager
-def consuming(consumer):
-    """``consumer.serve()`` in a thread until the block ends; yields its results list."""
-    stop, results = threading.Event(), []
-    thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
-    thread.start()
-    try:
-        yield results
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert not thread.is_alive()
 
 
 def held(caplog, state: str) -> int:
@@ -64,7 +47,7 @@ def test_consume_outbox_exits_2_naming_the_missing_table_before_taking_a_message
     text = str(refused.value)
     assert "testapp_never_migrated (testapp.NeverMigrated, for handler tests.unmigrated)" in text
     assert "`manage.py migrate testapp --database default`" in text
-    assert broker.count(broker.queue) == 1  # not taken
+    assert wait_for(lambda: broker.count(broker.queue) == 1)  # not taken
     assert broker.count(broker.dlq) == 0
 
 
@@ -78,7 +61,7 @@ def test_a_table_missing_under_a_handler_holds_the_message_until_it_is_migrated(
     event = unsaved_event()
     broker.publish(event)
     try:
-        with consuming(consumer) as results:
+        with serving(consumer) as results:
             # max_retries 0: one counted failure would have dead-lettered it.
             assert wait_for(lambda: held(caplog, "failed") >= 2, timeout=30)
             assert broker.count(broker.dlq) == 0
@@ -108,7 +91,7 @@ def test_a_lock_the_database_refuses_holds_the_message_then_it_is_processed(
     )
     event = unsaved_event()
     broker.publish(event)
-    with consuming(consumer) as results:
+    with serving(consumer) as results:
         with transaction.atomic():
             Widget.objects.select_for_update().get(code="locked")
             assert wait_for(lambda: held(caplog, "failed") >= 2, timeout=30)

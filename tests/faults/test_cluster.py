@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from django_outbox.conf import broker_urls
-from django_outbox.consumer import Consumer, Outcome
+from django_outbox.consumer import Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent
 from points.models import PointsLedger
-from tests.utils.amqp import AWARD, Broker
+from tests.utils.amqp import Broker, make_consumer, serving
 from tests.utils.rows import unsaved_event
-from tests.utils.threads import db_thread
 from tests.utils.waiting import wait_for as wait_until
 
 from .harness import Processes, check_invariants, counts, emit, wait_for
@@ -104,33 +102,20 @@ def test_a_node_stopped_under_the_consumer_it_goes_on_through_the_next(cluster):
     """consume_outbox's loop declares its quorum queue and reads it through node 1 (the
     queue's leader is there); node 1 is stopped: a new leader is elected among the other
     two, the consumer reads on through node 2, and each event is handled once."""
-    consumer = Consumer(
-        handlers=[AWARD],
-        url=CLUSTER,
-        queue=cluster.queue,
-        exchange=cluster.exchange,
-        idle_timeout=0.2,
-        retry_delay=0,
-    )
+    consumer = make_consumer(cluster, url=CLUSTER)
     assert consumer.arguments["x-queue-type"] == "quorum"
-    stop = threading.Event()
-    results = []
-    thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
-    thread.start()
     try:
-        assert wait_until(lambda: consumer._channel is not None, timeout=30)
-        events = [unsaved_event(pk=n) for n in range(1, 21)]
-        for event in events[:10]:
-            cluster.publish(event)
-        assert wait_until(lambda: PointsLedger.objects.count() == 10, timeout=30)
-        node("stop", 1)
-        for event in events[10:]:
-            cluster.publish(event)
-        assert wait_until(lambda: PointsLedger.objects.count() == 20, timeout=60)
-        assert consumer.url == CLUSTER[1]
+        with serving(consumer) as results:
+            events = [unsaved_event(pk=n) for n in range(1, 21)]
+            for event in events[:10]:
+                cluster.publish(event)
+            assert wait_until(lambda: PointsLedger.objects.count() == 10, timeout=30)
+            node("stop", 1)
+            for event in events[10:]:
+                cluster.publish(event)
+            assert wait_until(lambda: PointsLedger.objects.count() == 20, timeout=60)
+            assert consumer.url == CLUSTER[1]
     finally:
-        stop.set()
-        thread.join(timeout=60)
         node("start", 1)
     assert results[0].counts[Outcome.PROCESSED] == 20
     assert PointsLedger.objects.count() == 20

@@ -7,17 +7,21 @@ Outages are made with tests.utils.proxy.TcpProxy, never by touching the broker i
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pika
 
-from django_outbox.consumer import Consumer
+from django_outbox.consumer import Consumer, ConsumeResult
 from django_outbox.message import CONTENT_TYPE, encode_body, encode_headers
 from django_outbox.models import OutboxEvent
+from tests.utils.subprocess import manage_command
+from tests.utils.threads import db_thread
 
 AWARD = "points.handlers.AwardPointsHandler"
 
@@ -165,3 +169,36 @@ def make_consumer(broker: Broker, handlers: Sequence[str] = (AWARD,), **options:
     )
     consumer.connect()
     return consumer
+
+
+def consume(
+    broker: Broker, *events: OutboxEvent, handlers: Sequence[str] = (AWARD,), **options: Any
+) -> ConsumeResult:
+    """Publish ``events`` as the relay would, to a queue declared first (by a consumer of
+    ``handlers``), and consume until the queue is idle."""
+    consumer = make_consumer(broker, handlers, **options)
+    for event in events:
+        broker.publish(event)
+    return consumer.serve(until_idle=True)
+
+
+@contextmanager
+def serving(consumer: Consumer) -> Iterator[list[ConsumeResult]]:
+    """``consumer.serve()`` in a thread of its own until the block ends (then stopped and
+    joined); yields the list its result is appended to."""
+    stop, results = threading.Event(), []
+    thread = db_thread(lambda: results.append(consumer.serve(stop=stop)))
+    thread.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive(), "the consumer did not stop"
+
+
+def consume_outbox_command(broker: Broker, *options: str) -> list[str]:
+    """The ``manage.py consume_outbox`` command line on the broker's queue and exchange."""
+    return manage_command(
+        "consume_outbox", "--queue", broker.queue, "--exchange", broker.exchange, *options
+    )

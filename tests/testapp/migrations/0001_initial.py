@@ -18,4 +18,16 @@ class Migration(migrations.Migration):
                 ('name', models.CharField(default='', max_length=50)),
             ],
         ),
+        # Unmanaged: no table is created (a consumer service that has not run migrate).
+        migrations.CreateModel(
+            name='NeverMigrated',
+            fields=[
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('source_event_id', models.CharField(editable=False, help_text='event_id of the outbox event this row was written for.', max_length=64, unique=True, verbose_name='source event id')),
+            ],
+            options={
+                'db_table': 'testapp_never_migrated',
+                'managed': False,
+            },
+        ),
     ]
