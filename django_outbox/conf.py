@@ -133,8 +133,9 @@ class OutboxSettings:
 
     # --- the relay and its backend -------------------------------------------------------
     BACKEND: Setting[str] = Setting(
-        "django_outbox.backends.pika.PikaBackend",
-        "Dotted path of the broker backend class the relay publishes through.",
+        "",
+        "Dotted path of the broker backend class the relay publishes through; '' picks it by "
+        "OUTBOX_BROKER_URL's scheme (amqp://, amqps://: django_outbox.backends.pika.PikaBackend).",
     )
     BACKEND_OPTIONS: Setting[dict[str, Any]] = Setting(
         {}, "Extra keyword arguments passed to the backend class."

@@ -25,6 +25,7 @@ FOUNDATION = {
     "retry",
     "_compat",
     "tracing",
+    "transports",
 }
 #: The models and the row's lifecycle: the foundation and each other only.
 DATA = {"ordering", "querysets", "models"}

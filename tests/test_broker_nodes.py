@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+from django.test import override_settings
 
+from django_outbox.checks import check_backend
 from django_outbox.conf import broker_urls
 from django_outbox.masking import mask_url, mask_urls_in
 from django_outbox.worker import Backoff, BrokerNodes, keep_running
@@ -164,3 +166,24 @@ def test_a_broker_url_of_another_type_is_a_configuration_error_for_the_relay_and
         pytest.raises(TypeError, match="is of type dict"),  # publish_outbox: exit 2
     ):
         PikaBackend()
+
+
+def test_the_broker_urls_scheme_picks_the_transport_and_one_broker_only():
+    from django_outbox import transports
+    from django_outbox.consumer.amqp import Consumer
+
+    assert transports.transport_for(["amqps://u:p@a/%2F", "amqp://u:p@b/%2F"]) is transports.AMQP
+    assert transports.transport_for([]) is transports.AMQP
+    assert transports.consumer_class("amqp://guest:guest@127.0.0.1/%2F") is Consumer
+    with pytest.raises(transports.UnknownTransport, match="no known scheme; use one of amqp://"):
+        transports.transport_for(["kafka://u:secret@k1:9092"])
+    with override_settings(OUTBOX_BROKER_URL="kafka://u:secret@k1:9092", OUTBOX_BACKEND=""):
+        [error] = check_backend()
+    assert error.id == "django_outbox.E001"
+    assert "kafka://u:***@k1:9092 has no known scheme" in error.msg
+    assert "secret" not in error.msg
+    # OUTBOX_BACKEND, when set, still chooses the relay's backend.
+    with override_settings(
+        OUTBOX_BROKER_URL="kafka://k1", OUTBOX_BACKEND="django_outbox.backends.locmem.LocmemBackend"
+    ):
+        assert check_backend() == []

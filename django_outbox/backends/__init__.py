@@ -1,7 +1,8 @@
 """Broker backends. The relay talks to :class:`~django_outbox.backends.base.BaseBackend` only.
 
-Like Django's email backends, a backend is chosen by dotted path (``OUTBOX_BACKEND``) and
-built with :func:`get_backend`; extra keyword arguments come from ``OUTBOX_BACKEND_OPTIONS``.
+Like Django's email backends, a backend is chosen by dotted path (``OUTBOX_BACKEND``, else
+the broker URL's transport's: :mod:`django_outbox.transports`) and built with
+:func:`get_backend`; extra keyword arguments come from ``OUTBOX_BACKEND_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from django.utils.module_loading import import_string
 
 from ..conf import outbox_settings
 from ..exceptions import ImproperlyConfiguredBackend
+from ..transports import UnknownTransport, backend_path
 from .base import BaseBackend, contract_problem
 
 
 def get_backend_class(path: str | None = None) -> type[BaseBackend]:
-    path = path or outbox_settings.BACKEND
+    """``path``, else ``OUTBOX_BACKEND``, else the backend of the broker URL's transport."""
+    try:
+        path = path or backend_path()
+    except UnknownTransport as exc:
+        raise ImproperlyConfiguredBackend(f"OUTBOX_BROKER_URL: {exc}.") from exc
     try:
         cls = import_string(path)
     except ImportError as exc:

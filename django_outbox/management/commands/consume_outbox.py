@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 from django.core.management.base import CommandError, CommandParser
 
 from ...consumer import (
-    Consumer,
     IdempotentHandler,
     ImproperlyConfiguredConsumer,
     ImproperlyConfiguredHandler,
     get_handlers,
 )
+from ...transports import UnknownTransport, consumer_class
 from ...worker import configure_logging, stop_on_signals
 from ..errors import DatabaseCommand
 from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
@@ -147,7 +147,7 @@ class Command(DatabaseCommand):
             self._list(handlers)
             return
         try:
-            consumer = Consumer(
+            consumer = transport_consumer()(
                 handlers=handlers,
                 queue=queue,
                 exchange=exchange,
@@ -177,3 +177,12 @@ class Command(DatabaseCommand):
             self.stdout.write("No handlers: set OUTBOX_CONSUMER_HANDLERS or add handlers.py")
         for cls in classes:
             self.stdout.write(cls.describe())
+
+
+def transport_consumer() -> Any:
+    """The consumer class of OUTBOX_BROKER_URL's transport; a URL that names none (or
+    several) is a configuration error (exit 2)."""
+    try:
+        return consumer_class()
+    except (UnknownTransport, ImportError) as exc:
+        raise ImproperlyConfiguredConsumer(f"OUTBOX_BROKER_URL: {exc}") from exc
