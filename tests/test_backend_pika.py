@@ -7,7 +7,6 @@ outages are made with tests.utils.proxy.TcpProxy, never by touching the shared b
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from django_outbox.backends.pika import FLUSH_EVERY, PikaBackend, mask_url
 from django_outbox.checks import Codes
 from django_outbox.models import OutboxEvent
 from tests.utils.amqp import Broker
-from tests.utils.proxy import TcpProxy
+from tests.utils.proxy import TcpProxy, closed_port
 from tests.utils.rows import OCCURRED, wire_rows
 
 pytestmark = pytest.mark.amqp
@@ -290,14 +289,8 @@ def test_connection_cut_mid_batch_keeps_the_confirmed_and_reconnects(
     assert delivered >= confirmed + 4
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_broker_raises_quickly_with_a_masked_url(amqp_url: str) -> None:
-    url = f"amqp://app:s3cret@127.0.0.1:{_closed_port()}/%2F"
+    url = f"amqp://app:s3cret@127.0.0.1:{closed_port()}/%2F"
     backend = PikaBackend(broker_url=url, exchange="never.declared", connect_timeout=3)
     started = time.monotonic()
     with pytest.raises(BrokerUnavailable) as info:
@@ -478,7 +471,7 @@ def _node(broker: Broker) -> tuple[TcpProxy, str]:
 def test_connects_to_the_first_node_that_answers_and_names_it(
     broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
-    dead = f"amqp://app:s3cret@127.0.0.1:{_closed_port()}/%2F"
+    dead = f"amqp://app:s3cret@127.0.0.1:{closed_port()}/%2F"
     queue = broker.declare_queue("#")
     caplog.set_level("INFO", logger="django_outbox")
     # kombu's form: one string, ";" between the URLs.
@@ -494,7 +487,7 @@ def test_connects_to_the_first_node_that_answers_and_names_it(
 
 
 def test_no_node_answering_names_each_and_pauses(broker: Broker) -> None:
-    urls = [f"amqp://app:s3cret@127.0.0.1:{_closed_port()}/%2F" for _ in range(2)]
+    urls = [f"amqp://app:s3cret@127.0.0.1:{closed_port()}/%2F" for _ in range(2)]
     backend = backend_for(broker, urls, connect_timeout=3)
     started = time.monotonic()
     with pytest.raises(BrokerUnavailable) as info:

@@ -8,6 +8,7 @@ stays up (a broker that never answers: confirm timeouts) until :meth:`TcpProxy.r
 :meth:`TcpProxy.hold_upstream_after` lets only so many more client-to-broker bytes through,
 so a test knows part of what it sent never reached the broker. :meth:`TcpProxy.wait_quiet`
 waits until nothing has passed either way for a while: the client has read every answer.
+:func:`closed_port` is a loopback port nobody listens on (a connection is refused).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ import socket
 import threading
 import time
 from urllib.parse import urlsplit, urlunsplit
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connecting to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class TcpProxy:
