@@ -68,7 +68,16 @@ _SENT = PublishResult(ok=True)
 
 
 class BrokerUnavailable(OutboxError):
-    """The broker cannot be reached at all; nothing of the batch is in flight."""
+    """The broker cannot be reached at all; nothing of the batch is in flight.
+
+    ``permanent``: trying again as configured fails the same way (a host name that does
+    not resolve, a refused port, a missing vhost, refused credentials): a one-pass run
+    gives up at once; a long-running relay keeps retrying and logging the cause.
+    """
+
+    def __init__(self, message: str = "", *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def describe_error(exc: BaseException) -> str:

@@ -36,7 +36,12 @@ from django.core.checks import CheckMessage, Error
 from pika import spec
 from pika.adapters.select_connection import SelectConnection
 
-from .._compat.pika import CoalescingConnection, HandTurnedLoop
+from .._compat.pika import (
+    CoalescingConnection,
+    ConnectionFailure,
+    HandTurnedLoop,
+    connection_failure,
+)
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
 from ..masking import mask_url, mask_urls_in
 from ..worker import BrokerNodes
@@ -106,6 +111,7 @@ class PikaBackend(AmqpBackend):
         self._channel: Channel | None = None
         self._ready = False  # channel open, in confirm mode, exchange declared
         self._open_error: str = ""  # why the connection/channel could not be opened
+        self._open_failure: ConnectionFailure | None = None  # ... when it was the connection
         self._blocked = False  # connection.blocked received (memory or disk alarm)
         self._next_tag = 1  # delivery tag of the next publish on this channel
 
@@ -193,13 +199,16 @@ class PikaBackend(AmqpBackend):
         # answers, so a new channel on it is all there is to try.
         reopen = self._connection is not None and self._connection.is_open
         problems: list[str] = []
+        permanent = True  # every node failed for a reason that does not clear by itself
 
         def attempt() -> None:
+            nonlocal permanent
             node = self.nodes.name()
             started = time.monotonic()
             problem = self._connect(reopen)
             if problem:
                 problems.append(f"{node}: {problem}")
+                permanent &= self._open_failure is not None and self._open_failure.permanent
                 raise _NodeProblem(problem)
             logger.info(
                 "connected to %s (exchange %r, %.0f ms)",
@@ -227,10 +236,16 @@ class PikaBackend(AmqpBackend):
                 if len(problems) == 1
                 else f"any RabbitMQ node of {self.url_setting}: "
             )
+            # A permanent failure's hint says what to fix; anything else may be the broker
+            # down.
+            check = (
+                ""
+                if permanent
+                else f" Check that the broker is running and {self.url_setting} (host, port, "
+                "vhost, credentials) is right."
+            )
             raise BrokerUnavailable(
-                f"cannot connect to {where}{'; '.join(problems)}. Check that the broker is "
-                f"running and {self.url_setting} (host, port, vhost, credentials) is right; "
-                "the relay retries with backoff."
+                f"cannot connect to {where}{'; '.join(problems)}.{check}", permanent=permanent
             ) from None
 
     def _connect(self, reopen: bool) -> str:
@@ -239,6 +254,7 @@ class PikaBackend(AmqpBackend):
         else why not."""
         self._ready = False
         self._open_error = ""
+        self._open_failure = None
         assert self._loop is not None
         if reopen:
             assert self._connection is not None
@@ -248,10 +264,12 @@ class PikaBackend(AmqpBackend):
             try:
                 params = self._parameters()
             except Exception as exc:  # pika raises several types for bad URLs
-                return (
-                    f"invalid URL ({mask_urls_in(str(exc))}); run `manage.py check` for the "
-                    "expected form"
+                self._open_failure = ConnectionFailure(
+                    f"invalid URL ({mask_urls_in(str(exc))})",
+                    True,
+                    "run `manage.py check` for the expected form",
                 )
+                return str(self._open_failure)
             self._blocked = False
             self._connection = CoalescingConnection(
                 parameters=params,
@@ -322,7 +340,8 @@ class PikaBackend(AmqpBackend):
         self._open_channel(connection)
 
     def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
-        self._open_error = _describe(error)
+        self._open_failure = connection_failure(error, connection.params)
+        self._open_error = str(self._open_failure)
 
     def _on_connection_closed(self, connection: SelectConnection, error: Exception) -> None:
         if connection is not self._connection:

@@ -173,12 +173,17 @@ class Batch:
 class BrokerOutage(Exception):
     """The broker went away; the batch's rows were released. The caller backs off.
 
-    ``result`` holds what the interrupted pass did settle (confirmed or dead rows).
+    ``result`` holds what the interrupted pass did settle (confirmed or dead rows);
+    ``permanent``: the broker could not be reached for a reason that does not clear by
+    itself (see :class:`~django_outbox.backends.base.BrokerUnavailable`).
     """
 
-    def __init__(self, message: str, result: PassResult | None = None) -> None:
+    def __init__(
+        self, message: str, result: PassResult | None = None, *, permanent: bool = False
+    ) -> None:
         super().__init__(message)
         self.result = result if result is not None else PassResult()
+        self.permanent = permanent
 
 
 @dataclass

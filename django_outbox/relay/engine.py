@@ -549,7 +549,7 @@ class Relay:
         """The broker cannot be reached with nothing of ``batch`` out: its rows are given
         back (no attempt counted) and the outage returned for the caller to raise."""
         self.release(batch, _unavailable(exc))
-        return BrokerOutage(str(exc))
+        return BrokerOutage(str(exc), permanent=exc.permanent)
 
     def _ensure_open(self) -> None:
         if not self._opened:
