@@ -4,7 +4,8 @@ A broker URL that cannot work (an unresolvable host, a closed port, a missing vh
 password): ``django_outbox._compat.pika.connection_failure`` reads the cause out of what
 pika raises (``BlockingConnection``, the consumer's) or reports (``SelectConnection``, the
 relay's); the one-pass commands exit 2 with it in words, and the long-running relay logs it
-while it retries.
+while it retries. An event no queue is bound for: the commands name the exchange and the
+routing key, and say to start the consumer or bind a queue.
 """
 
 from __future__ import annotations
@@ -181,3 +182,32 @@ def test_the_long_running_relay_retries_and_logs_the_cause(amqp_url, caplog) -> 
     lines = [r.getMessage() for r in caplog.records if words in r.getMessage()]
     assert all("broker unavailable" in line and "retrying in" in line for line in lines)
     assert OutboxEvent.objects.get().retry_count == 0
+
+
+# -- unroutable ------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("command", ["publish_outbox", "compensate_outbox"])
+def test_an_unroutable_event_says_which_route_and_what_to_do(broker, command, caplog) -> None:
+    make_events({"event_type": "ORDER_CREATED"}, {"event_type": "ORDER_PAID"}, age=3600)
+    args = ["--once"] if command == "publish_outbox" else ["--stale-after", "1s"]
+    with (
+        override_settings(
+            OUTBOX_BACKEND=PIKA, OUTBOX_BROKER_URL=broker.url, OUTBOX_EXCHANGE=broker.exchange
+        ),
+        pytest.raises(CommandError) as info,
+    ):
+        call_command(command, *args, stdout=StringIO())
+    broker.delete_at_close(exchanges=[broker.exchange])
+    assert info.value.returncode == 1
+    said = str(info.value)
+    assert said.startswith("2 events failed:\n  1 unroutable: returned by RabbitMQ: 312 NO_ROUTE")
+    for key in ("ORDER_CREATED", "ORDER_PAID"):
+        assert (
+            f"no queue bound to exchange {broker.exchange!r} for routing key {key!r}); start "
+            "the consumer (consume_outbox declares and binds its queue) or bind a queue"
+        ) in said
+    assert "manage.py outbox_requeue --status pending" in said
+    # The relay's log line (on stderr unless LOGGING routes it) says the same.
+    assert "for routing key 'ORDER_PAID'); start the consumer" in caplog.text

@@ -48,6 +48,29 @@ class Reason(str, enum.Enum):
         """Not the event's fault: the relay backs off instead of burning its retries."""
         return self is Reason.CONNECTION_LOST
 
+    @property
+    def fix(self) -> str:
+        """What to do about a failure of this kind, for the commands' output ("" when it
+        depends on the error)."""
+        return _FIXES.get(self, "")
+
+
+_FIXES = {
+    Reason.UNROUTABLE: (
+        "start the consumer (consume_outbox declares and binds its queue) or bind a queue "
+        "for the routing key, then requeue: `manage.py outbox_requeue --status pending` "
+        "(the relay also retries on its backoff; once DEAD, `manage.py outbox_requeue`)"
+    ),
+    Reason.NACKED: (
+        "a queue refused the message (full, with x-overflow reject-publish): drain it or "
+        "raise its limit; the relay retries on its backoff"
+    ),
+    Reason.TIMEOUT: (
+        "the broker did not confirm within OUTBOX_CONFIRM_TIMEOUT: check it for memory or "
+        "disk alarms and load; the relay retries on its backoff"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class PublishResult:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..backends.base import PublishResult
+from ..backends.base import PublishResult, Reason
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -198,6 +199,8 @@ class PassResult:
     held_back: int = 0  # events of ordered runs given back unsent behind a failed one
     batches: int = 0
     dead_events: list[OutboxEvent] = field(default_factory=list, repr=False)
+    #: The failed attempts by (reason, error): what the commands say went wrong, and the fix.
+    failures: Counter[tuple[str, str]] = field(default_factory=Counter, repr=False)
 
     def add(self, other: PassResult) -> None:
         self.found += other.found
@@ -208,6 +211,33 @@ class PassResult:
         self.held_back += other.held_back
         self.batches += other.batches
         self.dead_events.extend(other.dead_events)
+        self.failures.update(other.failures)
 
     def summary(self) -> str:
         return f"found={self.found} sent={self.sent} failed={self.failed} dead={self.dead}"
+
+    def failure_report(self) -> str:
+        """``2 events failed (1 went DEAD):`` and a line per kind of failure."""
+        dead = f" ({self.dead} went DEAD)" if self.dead else ""
+        lines = "".join(f"\n  {line}" for line in self.failure_lines())
+        return f"{self.failed} events failed{dead}" + (f":{lines}" if lines else "")
+
+    def failure_lines(self, limit: int = 5) -> list[str]:
+        """One line per kind of failure, most frequent first: how many, the reason, the
+        broker's words and what to do (an unroutable event: which exchange and routing
+        key, and that a queue must be bound)."""
+        lines = [
+            failure_line(n, reason, error)
+            for (reason, error), n in self.failures.most_common(limit)
+        ]
+        rest = sum(self.failures.values()) - sum(n for _, n in self.failures.most_common(limit))
+        if rest:
+            lines.append(f"{rest} more with other errors (see last_error in the admin)")
+        return lines
+
+
+def failure_line(count: int, reason: str, error: str) -> str:
+    """``3 unroutable: returned by RabbitMQ: 312 NO_ROUTE (...); start the consumer ...``"""
+    known = {r.value: r for r in Reason}
+    fix = known[reason].fix if reason in known else ""
+    return f"{count} {reason}: {error}" + (f"; {fix}" if fix else "")

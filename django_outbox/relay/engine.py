@@ -43,7 +43,7 @@ from ..models import OutboxEvent, Status, outbox_db
 from ..querysets import OutboxEventQuerySet
 from ..retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 from ..worker import Backoff, Heartbeat, keep_running
-from .batch import HELD_BACK, Batch, BrokerOutage, PassResult, Stage
+from .batch import HELD_BACK, Batch, BrokerOutage, PassResult, Stage, failure_line
 from .lanes import INLINE, Lanes, ThreadLanes
 from .pipeline import Pipeline
 from .wake import Waker, make_waker
@@ -93,6 +93,11 @@ def stale_source(stale_after: float) -> Callable[[OutboxEventQuerySet], OutboxEv
 def _unavailable(exc: BrokerUnavailable) -> str:
     """What a row records when the broker could not be reached to publish it."""
     return f"broker unavailable: {exc}"
+
+
+def _failure_key(result: PublishResult) -> tuple[str, str]:
+    """A failed attempt's reason and error, for counting failures of one kind together."""
+    return (result.reason.value if result.reason else "error", result.error)
 
 
 def _attempt_error(result: PublishResult) -> str:
@@ -482,14 +487,19 @@ class Relay:
             metrics.failed(reason.value, n, self.job, self.using)
         metrics.dead(result.dead, self.job, self.using)
         if failed:
-            logger.warning(
-                "[%s] %d events failed: %s",
-                self.job,
-                len(failed),
-                ", ".join(
-                    f"{r.event_id} ({res.reason and res.reason.value})" for r, res in failed[:10]
-                ),
-            )
+            # One line per kind of failure (an unroutable route, a full queue): what the
+            # broker said and what to do, not only which events.
+            kinds: dict[tuple[str, str], list[str]] = {}
+            for row, res in failed:
+                kinds.setdefault(_failure_key(res), []).append(row.event_id)
+            for key, ids in sorted(kinds.items(), key=lambda kind: -len(kind[1])):
+                result.failures[key] += len(ids)
+                logger.warning(
+                    "[%s] events failed: %s (event ids: %s)",
+                    self.job,
+                    failure_line(len(ids), *key),
+                    ", ".join(ids[:10]) + (", ..." if len(ids) > 10 else ""),
+                )
         logger.debug("[%s] batch %s", self.job, result.summary())
         return result
 

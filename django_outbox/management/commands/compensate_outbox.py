@@ -73,6 +73,4 @@ class Command(DatabaseCommand):
             ) from exc
         self.stdout.write(f"compensate_outbox: {result.summary()}")
         if result.failed or result.dead:
-            raise CommandError(
-                f"{result.failed} events failed ({result.dead} went DEAD)", returncode=1
-            )
+            raise CommandError(result.failure_report(), returncode=1)

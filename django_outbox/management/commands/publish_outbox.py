@@ -106,7 +106,7 @@ class Command(DatabaseCommand):
                 raise CommandError(f"The broker is unreachable: {exc}", returncode=2) from exc
             self.stdout.write(f"publish_outbox: {result.summary()}")
             if result.failed:
-                raise CommandError(f"{result.failed} events failed", returncode=1)
+                raise CommandError(result.failure_report(), returncode=1)
             return
 
         stop = threading.Event()
