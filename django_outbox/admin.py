@@ -45,6 +45,9 @@ from .stats import format_age
 #: last_error is cut to this many characters in the changelist; the detail page shows it all.
 ERROR_PREVIEW_CHARS = 80
 
+#: The selected events a relay holds that the requeue action names when it leaves them alone.
+HELD_NAMED = 10
+
 _STATUS_COLOURS = {Status.PENDING: "#b36b00", Status.SENT: "#2e7d32", Status.DEAD: "#c62828"}
 
 
@@ -326,7 +329,11 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     )
     def requeue(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> None:
         selected = queryset.count()
-        n = queryset.requeue()
+        # Rows a relay is publishing right now are left alone, as outbox_requeue leaves
+        # them: requeued, they would be published a second time. Named, so the operator
+        # can come back to them if they fail.
+        held = list(queryset.leased().order_by("id").values_list("event_id", flat=True))
+        n = queryset.exclude_in_flight().requeue()
         self.message_user(
             request,
             ngettext(
@@ -337,7 +344,18 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             % {"count": n},
             messages.SUCCESS,
         )
-        self._skipped(request, selected - n, _("already sent"))
+        if held:
+            shown = ", ".join(held[:HELD_NAMED]) + (", ..." if len(held) > HELD_NAMED else "")
+            self._skipped(
+                request,
+                len(held),
+                _(
+                    "a relay is publishing it right now, requeueing it would publish it twice; "
+                    "if it fails, requeue it once the relay has settled it: %(ids)s"
+                )
+                % {"ids": shown},
+            )
+        self._skipped(request, selected - n - len(held), _("already sent"))
 
     @admin.action(description=_("Mark selected pending events as dead"), permissions=["change"])
     def mark_dead(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> None:

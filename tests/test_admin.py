@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.contrib import admin
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
@@ -10,7 +12,7 @@ from django.test import Client
 from django.urls import reverse
 
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.stats import format_age
+from django_outbox.stats import db_now, format_age
 from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db
@@ -126,6 +128,30 @@ def test_requeue_dead_and_pending_resets_them_and_keeps_last_error(superuser_cli
     assert OutboxEvent.objects.due().filter(pk__in=[dead.pk, pending.pk]).count() == 2
     sent.refresh_from_db()
     assert sent.status == Status.SENT
+
+
+def test_requeue_leaves_the_rows_a_relay_holds_and_names_them(superuser_client):
+    """Issue 32, item 4: a row a relay is publishing, requeued, is published twice (its
+    lease cleared, the relay's settle fenced off). Left alone, as outbox_requeue does."""
+    now = db_now()
+    held, dead = make_events(
+        {"retry_count": 2, "lease_token": "relay-1", "leased_until": now + timedelta(minutes=5)},
+        {"status": Status.DEAD, "retry_count": 11},
+    )
+    response = _post_action(superuser_client, "requeue", [held, dead])
+    messages = [str(m) for m in response.context["messages"]]
+    assert any("1 event requeued" in m for m in messages), messages
+    (skipped,) = [m for m in messages if "left alone" in m]
+    assert "a relay is publishing it right now" in skipped
+    assert held.event_id in skipped
+    held.refresh_from_db()
+    assert (held.lease_token, held.retry_count, held.leased_until) == (
+        "relay-1",
+        2,
+        now + timedelta(minutes=5),
+    )
+    dead.refresh_from_db()
+    assert (dead.status, dead.retry_count) == (Status.PENDING, 0)
 
 
 def test_mark_dead_only_touches_pending(superuser_client):
