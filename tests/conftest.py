@@ -18,6 +18,7 @@ AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 START_HINTS = {
     "rabbitmq": "start it with `rabbitmq-server -detached` (or set AMQP_URL)",
+    "rabbitmq-management": "enable it with `rabbitmq-plugins enable rabbitmq_management`",
     "postgresql": (
         "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
     ),
@@ -61,6 +62,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def amqp_url() -> str:
     require_service("rabbitmq", AMQP_URL, 5672)
     return AMQP_URL
+
+
+@pytest.fixture
+def management_url(amqp_url: str) -> str:
+    """The RabbitMQ management HTTP API of the test broker (outbox_check reads bindings
+    there): its host, port 15672, unless RABBITMQ_MANAGEMENT_URL says otherwise."""
+    host = urlparse(amqp_url).hostname or "127.0.0.1"
+    url = os.environ.get("RABBITMQ_MANAGEMENT_URL", f"http://{host}:15672/")
+    require_service("rabbitmq-management", url, 15672)
+    return url
 
 
 @pytest.fixture

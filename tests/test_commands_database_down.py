@@ -27,6 +27,7 @@ COMMANDS = [
     ["outbox_requeue", "--dry-run"],
     ["outbox_stats"],
     ["outbox_stats", "--json", "--database", "default"],
+    ["outbox_check"],
     ["consume_outbox", "--once"],
     # --list needs no database, but Django's system checks may connect (MySQL/MariaDB, and
     # SQLite on Django 6.x): then it is exit 2 in one line too, never a traceback.

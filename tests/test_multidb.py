@@ -36,7 +36,14 @@ from tests.utils.rows import make_events
 from tests.utils.waiting import wait_for
 
 BOTH = ["default", "other"]
-COMMANDS = ["publish_outbox", "compensate_outbox", "purge_outbox", "outbox_stats", "outbox_requeue"]
+COMMANDS = [
+    "publish_outbox",
+    "compensate_outbox",
+    "purge_outbox",
+    "outbox_stats",
+    "outbox_requeue",
+    "outbox_check",
+]
 
 
 class OtherRouter:

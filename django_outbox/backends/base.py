@@ -90,6 +90,26 @@ class PublishResult:
 _SENT = PublishResult(ok=True)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a message published with ``routing_key`` goes: what receives it, in words
+    (``"queue 'points'"``); none, and the broker returns it (unroutable)."""
+
+    routing_key: str
+    destinations: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RouteCheck:
+    """What :meth:`BaseBackend.check_routes` found: where events are published, in words,
+    and each routing key's :class:`Route`; ``routes`` is None when the backend cannot tell,
+    and ``unknown`` says why."""
+
+    target: str
+    routes: list[Route] | None
+    unknown: str = ""
+
+
 class BrokerUnavailable(OutboxError):
     """The broker cannot be reached at all; nothing of the batch is in flight.
 
@@ -229,6 +249,19 @@ class BaseBackend(abc.ABC):
             return []
         self.send(events)
         return self.wait()
+
+    def check_routes(self, routing_keys: Sequence[str]) -> RouteCheck:
+        """For ``manage.py outbox_check``: connect, declare (or verify) where events are
+        published, and say for each routing key what receives its messages. Raises
+        :class:`BrokerUnavailable` when the broker cannot be reached. This default connects
+        and cannot tell where messages go; a backend that can overrides it."""
+        with self:
+            pass
+        return RouteCheck(
+            f"{type(self).__name__}",
+            None,
+            f"{type(self).__name__} cannot tell which routing keys reach a consumer",
+        )
 
     def routing_key(self, event: OutboxEvent) -> str:
         if self._routing_key_func is not None:

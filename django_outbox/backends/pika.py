@@ -45,7 +45,15 @@ from .._compat.pika import (
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
 from ..masking import mask_url, mask_urls_in
 from ..worker import BrokerNodes
-from .base import AmqpBackend, BrokerUnavailable, PublishResult, Reason, describe_error
+from . import bindings
+from .base import (
+    AmqpBackend,
+    BrokerUnavailable,
+    PublishResult,
+    Reason,
+    RouteCheck,
+    describe_error,
+)
 
 if TYPE_CHECKING:
     from pika.channel import Channel
@@ -89,7 +97,9 @@ class PikaBackend(AmqpBackend):
     ``exchange_passive`` (``OUTBOX_EXCHANGE_PASSIVE``), ``confirm_timeout``
     (``OUTBOX_CONFIRM_TIMEOUT``), ``connect_timeout`` (``OUTBOX_CONNECT_TIMEOUT``, also
     the blocked-connection timeout); plus the base class's ``exchange``,
-    ``routing_keys`` and ``routing_key_func``.
+    ``routing_keys`` and ``routing_key_func``; and ``management_url``, the RabbitMQ
+    management HTTP API that :meth:`check_routes` reads (default: the node's host, port
+    15672, or 15671 over TLS).
     """
 
     #: Where the broker URLs come from, for the error that says what to check.
@@ -99,10 +109,13 @@ class PikaBackend(AmqpBackend):
         self,
         *,
         broker_url: str | Sequence[str] | None = None,
+        management_url: str = "",
         **options: Any,  # exchange_type, exchange_passive, ...: see AmqpBackend
     ) -> None:
         super().__init__(**options)
         self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
+        # Where outbox_check reads the bindings (default: the node's host, port 15672).
+        self.management_url = management_url
         # One URL, or the nodes of a cluster: connect to the first that answers.
         self.nodes = BrokerNodes(self.broker_url)
 
@@ -286,6 +299,38 @@ class PikaBackend(AmqpBackend):
             self._open_error
             or f"no answer within {self.connect_timeout:g} s (OUTBOX_CONNECT_TIMEOUT)"
         )
+
+    def check_routes(self, routing_keys: Sequence[str]) -> RouteCheck:
+        """Connect, declaring the exchange (verifying it, with ``exchange_passive``), and
+        read which queues each routing key reaches from the management HTTP API
+        (:mod:`.bindings`): AMQP itself cannot list bindings without publishing."""
+        self.open()
+        try:
+            params = self._node_parameters()
+        finally:
+            self.close()
+        done = "verified" if self.exchange_passive else "declared"
+        target = f"exchange {self.exchange!r} ({self.exchange_type}, {done}) at {self.masked_url}"
+        if not self.exchange:
+            return RouteCheck(
+                f"the default exchange at {self.masked_url}",
+                None,
+                "the default exchange takes a routing key to the queue of that name",
+            )
+        credentials = params.credentials
+        api = bindings.ManagementApi.for_broker(
+            params.host,
+            tls=params.ssl_options is not None,
+            user=getattr(credentials, "username", ""),
+            password=getattr(credentials, "password", ""),
+            url=self.management_url,
+            timeout=self.connect_timeout,
+        )
+        try:
+            found = bindings.routes(api, params.virtual_host, self.exchange, routing_keys)
+        except bindings.BindingsUnknown as exc:
+            return RouteCheck(target, None, str(exc))
+        return RouteCheck(f"{target}, bindings from {api.where}", found)
 
     def next_node(self) -> bool:
         """The relay lost this node: the next connection goes to the next one."""
