@@ -27,7 +27,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect, QueryDict
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
@@ -37,6 +37,13 @@ from django.utils.translation import ngettext
 from . import ordering, requeue, stats
 from .backends.base import Reason
 from .conf import outbox_settings
+from .dashboard import (
+    DATABASE_PARAM,
+    database_figures,
+    health_warnings,
+    requested_database,
+    trend_chart,
+)
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
 from .querysets import OutboxEventQuerySet, scheduled_q
@@ -49,41 +56,6 @@ ERROR_PREVIEW_CHARS = 80
 HELD_NAMED = 10
 
 _STATUS_COLOURS = {Status.PENDING: "#b36b00", Status.SENT: "#2e7d32", Status.DEAD: "#c62828"}
-
-
-def health_warnings(gauges: stats.Gauges) -> list[str]:
-    """The banner lines: an old PENDING event (relay stuck?) or any dead letter."""
-    warnings = []
-    threshold = outbox_settings.ALERT_PENDING_AGE
-    if gauges.pending and gauges.oldest_pending_age > threshold:
-        warnings.append(
-            _(
-                "The oldest PENDING event has waited %(age)s, longer than %(limit)s "
-                "(OUTBOX_ALERT_PENDING_AGE): is publish_outbox running and is the broker up?"
-            )
-            % {"age": format_age(gauges.oldest_pending_age), "limit": format_age(threshold)}
-        )
-    if gauges.dead:
-        warnings.append(
-            ngettext(
-                "%(count)d dead letter is waiting for triage.",
-                "%(count)d dead letters are waiting for triage.",
-                gauges.dead,
-            )
-            % {"count": gauges.dead}
-        )
-    if gauges.blocked_aggregates:
-        warnings.append(
-            ngettext(
-                "%(count)d aggregate is blocked by a dead event (ordered mode): its later "
-                "events wait until that event is requeued.",
-                "%(count)d aggregates are blocked by a dead event (ordered mode): their later "
-                "events wait until that event is requeued.",
-                gauges.blocked_aggregates,
-            )
-            % {"count": gauges.blocked_aggregates}
-        )
-    return warnings
 
 
 class AgeFilter(admin.SimpleListFilter):
@@ -138,24 +110,6 @@ class ScheduleFilter(admin.SimpleListFilter):
 
 
 # --- several databases: which outbox the event list shows -----------------------------------
-
-#: The query parameter that picks the outbox database (the dashboard, the changelist and a
-#: change page); without it, the router's choice, as with one database.
-DATABASE_PARAM = "database"
-
-
-def requested_database(request: HttpRequest) -> str | None:
-    """The alias asked for by ``?database=``, or carried back from the changelist by a change
-    page's ``_changelist_filters``; 404 when no outbox lives there. Checked once a request."""
-    if hasattr(request, "_outbox_database"):
-        return request._outbox_database  # type: ignore[no-any-return]
-    alias = request.GET.get(DATABASE_PARAM)
-    if alias is None and "_changelist_filters" in request.GET:
-        alias = QueryDict(request.GET["_changelist_filters"]).get(DATABASE_PARAM)
-    if alias and alias not in stats.outbox_databases():
-        raise Http404(f"No outbox database {alias!r}.")
-    request._outbox_database = alias or None  # type: ignore[attr-defined]
-    return request._outbox_database  # type: ignore[attr-defined, no-any-return]
 
 
 class DatabaseFilter(admin.SimpleListFilter):
@@ -554,122 +508,6 @@ def requeue_all_selection(params: Any) -> tuple[requeue.Selection, str]:
     return selection, f"python manage.py outbox_requeue {option}"
 
 
-# --- several databases: which outbox the dashboard shows ------------------------------------
-
-
-class DatabaseFigures:
-    """The outbox databases of the dashboard: the one shown (``?database=ALIAS``, default
-    the router's write alias) and, when there are several, each one's gauges."""
-
-    def __init__(self, current: str, aliases: list[str]) -> None:
-        self.current, self.aliases = current, aliases
-
-    def rows(self) -> list[dict[str, Any]]:
-        rows = []
-        for alias in self.aliases:
-            try:
-                gauges: stats.Gauges | None = stats.gauges(alias)
-            except Exception:  # one database down must not hide the others
-                gauges = None
-            rows.append(
-                {
-                    "alias": alias,
-                    "gauges": gauges,
-                    "oldest": format_age(gauges.oldest_pending_age) if gauges else "",
-                    "warnings": bool(gauges and health_warnings(gauges)),
-                }
-            )
-        return rows
-
-    def context(self, dashboard_url: str, context: dict[str, Any]) -> dict[str, Any]:
-        """The databases table, and the dashboard's links to the event list and to events
-        pointed at the database shown (``?database=``, which the changelist reads)."""
-        rows = self.rows() if len(self.aliases) > 1 else []
-        for row in rows:
-            row["url"] = f"{dashboard_url}?{DATABASE_PARAM}={row['alias']}"
-        extra: dict[str, Any] = {"outbox_database": self.current, "outbox_databases": rows}
-        extra["database_query"] = ""
-        if self.current == outbox_db():
-            return extra
-        # The "requeue all" links add their own query to it.
-        extra["database_query"] = f"{DATABASE_PARAM}={self.current}&"
-        changelist = context.get("changelist_url", "")
-        for key, value in context.items():
-            if isinstance(value, str) and value.split("?")[0] == changelist:
-                extra[key] = self.link(value)
-        if context.get("blocked"):
-            extra["blocked"] = [(b, self.link(url)) for b, url in context["blocked"]]
-        return extra
-
-    def link(self, url: str) -> str:
-        """``url`` (a changelist or change page) on the database shown."""
-        return f"{url}{'&' if '?' in url else '?'}{DATABASE_PARAM}={self.current}"
-
-
-def database_figures(request: HttpRequest) -> DatabaseFigures:
-    """The dashboard's databases; an alias that holds no outbox is a 404, not an error page."""
-    requested = requested_database(request)
-    aliases = stats.outbox_databases()
-    default = outbox_db() if outbox_db() in aliases else aliases[0]
-    return DatabaseFigures(requested or default, aliases)
-
-
 def _pretty(value: Any) -> str:
     text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
     return format_html('<pre class="outbox-pre">{}</pre>', text)
-
-
-def trend_chart(
-    snapshot: stats.OutboxStats, *, width: int = 760, height: int = 190
-) -> dict[str, Any]:
-    """Coordinates of the created-vs-sent chart; the template draws them as inline SVG.
-
-    Created rows are bars, sent rows a line through the bars' centres: where the line
-    runs below the bars, the backlog grows.
-    """
-    left, right_pad, bottom, top = 40, 24, 22, 12
-    plot_w, plot_h = width - left - right_pad, height - bottom - top
-    buckets = snapshot.trend
-    peak = max([1, *(b.created for b in buckets), *(b.sent for b in buckets)])
-    slot = plot_w / max(len(buckets), 1)
-    baseline = top + plot_h
-
-    def y(v: int) -> float:
-        return baseline - v / peak * plot_h
-
-    bars = [
-        {
-            "x": f"{left + i * slot + slot * 0.1:.1f}",
-            "y": f"{y(b.created):.1f}",
-            "w": f"{slot * 0.8:.1f}",
-            "h": f"{baseline - y(b.created):.1f}",
-            "title": f"{b.start:%H:%M} created {b.created}, sent {b.sent}",
-        }
-        for i, b in enumerate(buckets)
-        if b.created
-    ]
-    sent_points = " ".join(
-        f"{left + (i + 0.5) * slot:.1f},{y(b.sent):.1f}" for i, b in enumerate(buckets)
-    )
-    labels = [
-        {"x": f"{left + (i + 0.5) * slot:.1f}", "text": buckets[i].start.strftime("%H:%M")}
-        for i in sorted({0, len(buckets) // 4, len(buckets) // 2, 3 * len(buckets) // 4})
-        if i < len(buckets)
-    ]
-    labels.append({"x": f"{left + plot_w:.1f}", "text": str(_("now"))})
-    return {
-        "width": width,
-        "height": height,
-        "left": left,
-        "right": left + plot_w,
-        "top": top,
-        "baseline": baseline,
-        "peak": peak,
-        "bars": bars,
-        "sent_points": sent_points,
-        "labels": labels,
-        "label_y": height - 6,
-        "created_total": sum(b.created for b in buckets),
-        "sent_total": sum(b.sent for b in buckets),
-        "bucket": format_age(snapshot.trend_bucket_seconds),
-    }
