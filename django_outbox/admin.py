@@ -21,16 +21,20 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html
+from django.utils.text import capfirst
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
@@ -52,8 +56,19 @@ from .stats import format_age
 #: last_error is cut to this many characters in the changelist; the detail page shows it all.
 ERROR_PREVIEW_CHARS = 80
 
-#: The selected events a relay holds that the requeue action names when it leaves them alone.
+#: The selected events a relay holds that requeue and mark dead name when they leave them alone.
 HELD_NAMED = 10
+
+#: Characters of an event id the list shows (the rest is in its tooltip and on its page).
+EVENT_ID_CHARS = 8
+
+#: Rows a confirmation page lists, oldest first.
+SAMPLE = 10
+
+#: The admin's triage of selected events or of one: the statuses each action changes.
+TRIAGE = {"requeue": (Status.PENDING, Status.DEAD), "mark_dead": (Status.PENDING,)}
+TRIAGE_TITLES = {"requeue": _("Requeue events"), "mark_dead": _("Mark events dead")}
+TRIAGE_SKIPPED = {"requeue": _("already sent"), "mark_dead": _("not pending")}
 
 _STATUS_COLOURS = {Status.PENDING: "#b36b00", Status.SENT: "#2e7d32", Status.DEAD: "#c62828"}
 
@@ -137,23 +152,70 @@ class DatabaseFilter(admin.SimpleListFilter):
             }
 
 
+def link_dashboard(site: admin.AdminSite) -> None:
+    """List the dashboard under the app, first, wherever ``site`` lists the apps and their
+    models: the admin index, the app index and the navigation sidebar.
+
+    ``AdminSite.get_app_list()`` is the documented way to change that list (a site
+    subclass overrides it); the app must not make the project subclass its site, so the
+    site's own method is wrapped, once. The entry has the keys Django documents for a model
+    of the list, and shows to whoever sees the events (the list holds only models the user
+    may view).
+    """
+    if getattr(site, "_outbox_dashboard_linked", False):
+        return
+    listed = site.get_app_list
+
+    def get_app_list(request: HttpRequest, app_label: str | None = None) -> list[Any]:
+        app_list = listed(request, app_label)
+        for app in app_list:
+            models = app.get("models", [])
+            if app.get("app_label") != OutboxEvent._meta.app_label or not any(
+                m.get("model") is OutboxEvent for m in models
+            ):
+                continue
+            url = reverse(f"{site.name}:django_outbox_outboxevent_dashboard", current_app=site.name)
+            models.insert(
+                0,
+                {
+                    "model": OutboxEvent,
+                    "name": _("Outbox dashboard"),
+                    "object_name": "OutboxDashboard",
+                    "perms": {"add": False, "change": False, "delete": False, "view": True},
+                    "admin_url": url,
+                    "add_url": None,
+                    "view_only": True,
+                },
+            )
+        return app_list
+
+    site.get_app_list = get_app_list  # type: ignore[method-assign]
+    site._outbox_dashboard_linked = True  # type: ignore[attr-defined]
+
+
 @admin.register(OutboxEvent)
 class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     change_list_template = "admin/django_outbox/outboxevent/change_list.html"
     dashboard_template = "admin/django_outbox/outboxevent/dashboard.html"
 
+    change_form_template = "admin/django_outbox/outboxevent/change_form.html"
+    action_template = "admin/django_outbox/outboxevent/action_confirmation.html"
+
+    # Readable at 1,280 px: the event id shortened (whole in its tooltip and on its page,
+    # with the row id), times compact, the type, aggregate and error cut with an ellipsis
+    # by the stylesheet, and what does not apply to a row (a SENT row's old error and retry
+    # time) left empty.
     list_display = (
-        "id",
-        "event_id",
-        "event_type",
+        "short_event_id",
+        "short_type",
         "aggregate",
         "status_badge",
-        "retry_count",
-        "next_retry_time",
-        "created_at",
+        "retries",
+        "next_retry",
+        "created",
         "short_error",
     )
-    list_display_links = ("id", "event_id")
+    list_display_links = ("short_event_id",)
     list_filter = (
         "status",
         ScheduleFilter,
@@ -180,7 +242,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                     "status_badge",
                     "retry_count",
                     "replay_count",
-                    ("next_retry_time", "due_at"),
+                    ("next_retry", "due_at"),
                     "last_error_block",
                 )
             },
@@ -192,6 +254,10 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         ),
     )
 
+    def __init__(self, model: type[OutboxEvent], admin_site: admin.AdminSite) -> None:
+        super().__init__(model, admin_site)
+        link_dashboard(admin_site)
+
     # --- read-only rows ----------------------------------------------------------------
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
@@ -201,7 +267,14 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         names = [f.name for f in self.model._meta.fields]
-        return [*names, "status_badge", "last_error_block", "payload_pretty", "headers_pretty"]
+        return [
+            *names,
+            "status_badge",
+            "next_retry",
+            "last_error_block",
+            "payload_pretty",
+            "headers_pretty",
+        ]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # events come from outbox.emit() inside a business transaction
@@ -236,6 +309,15 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "show_save_and_continue": False,
             "show_save_and_add_another": False,
         }
+        obj = self.get_object(request, unquote(object_id)) if object_id else None
+        if obj is not None and self.has_change_permission(request, obj):
+            # The page's requeue and mark-dead buttons, to the same confirmation as the
+            # list's actions; the query (?database=, the list's filters) goes along.
+            query = f"?{request.GET.urlencode()}" if request.GET else ""
+            for action in TRIAGE:
+                if obj.status in TRIAGE[action]:
+                    url = reverse(self._url_name(action), args=[quote(obj.pk)])
+                    extra_context[f"outbox_{action}_url"] = url + query
         return super().changeform_view(request, object_id, form_url, extra_context)
 
     # --- columns -----------------------------------------------------------------------
@@ -244,7 +326,15 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def aggregate(self, obj: OutboxEvent) -> str:
         if not obj.aggregate_type and not obj.aggregate_id:
             return "-"
-        return f"{obj.aggregate_type}:{obj.aggregate_id}"
+        return _cut(f"{obj.aggregate_type}:{obj.aggregate_id}")
+
+    @admin.display(description=_("event type"), ordering="event_type")
+    def short_type(self, obj: OutboxEvent) -> str:
+        return _cut(obj.event_type)
+
+    @admin.display(description=_("retries"), ordering="retry_count")
+    def retries(self, obj: OutboxEvent) -> int:
+        return obj.retry_count
 
     @admin.display(description=_("status"), ordering="status")
     def status_badge(self, obj: OutboxEvent) -> str:
@@ -256,15 +346,44 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             obj.status_label,
         )
 
+    # Sorted by id: the order the events were written in (an event id sorts randomly).
+    @admin.display(description=_("event id"), ordering="id")
+    def short_event_id(self, obj: OutboxEvent) -> str:
+        event_id = obj.event_id
+        if len(event_id) <= EVENT_ID_CHARS:
+            return format_html('<span class="outbox-event-id">{}</span>', event_id)
+        return format_html(
+            '<span class="outbox-event-id" title="{}">{}…</span>',
+            event_id,
+            event_id[:EVENT_ID_CHARS],
+        )
+
+    @admin.display(description=_("next retry"), ordering="next_retry_time")
+    def next_retry(self, obj: OutboxEvent) -> str:
+        # Only a PENDING row is retried; a SENT or DEAD one keeps its last value, stale.
+        return _compact(obj.next_retry_time) if obj.status == Status.PENDING else ""
+
+    @admin.display(description=_("created at"), ordering="created_at")
+    def created(self, obj: OutboxEvent) -> str:
+        return _compact(obj.created_at)
+
     @admin.display(description=_("last error"))
     def short_error(self, obj: OutboxEvent) -> str:
+        if obj.status == Status.SENT:
+            return ""  # an earlier attempt's: the event was sent since
         error = " ".join(obj.last_error.split())
         if len(error) > ERROR_PREVIEW_CHARS:
             error = error[: ERROR_PREVIEW_CHARS - 1] + "…"
-        return error or "-"
+        return _cut(error) if error else "-"
 
     @admin.display(description=_("last error"))
     def last_error_block(self, obj: OutboxEvent) -> str:
+        if obj.status == Status.SENT and obj.last_error:
+            return format_html(
+                '<p>{}</p><pre class="outbox-pre">{}</pre>',
+                _("An earlier attempt's error; the event was sent since."),
+                obj.last_error,
+            )
         return format_html('<pre class="outbox-pre">{}</pre>', obj.last_error or "-")
 
     @admin.display(description=_("payload"))
@@ -281,51 +400,130 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         description=_("Requeue selected dead or pending events (due now, retry count reset)"),
         permissions=["change"],
     )
-    def requeue(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> None:
+    def requeue(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> HttpResponse | None:
+        return self._triage_selected(request, queryset, "requeue")
+
+    @admin.action(description=_("Mark selected pending events as dead"), permissions=["change"])
+    def mark_dead(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> HttpResponse | None:
+        return self._triage_selected(request, queryset, "mark_dead")
+
+    def _triage_selected(
+        self, request: HttpRequest, queryset: OutboxEventQuerySet, action: str
+    ) -> HttpResponse | None:
+        """A list action: first a confirmation page whose form posts the same selection
+        back (as Django's delete confirmation does), then the change."""
+        if request.POST.get("post") == "yes":
+            self._triage(request, queryset, action)
+            return None
+        params = [
+            ("action", action),
+            ("select_across", request.POST.get("select_across", "0")),
+            ("post", "yes"),
+            *((ACTION_CHECKBOX_NAME, pk) for pk in request.POST.getlist(ACTION_CHECKBOX_NAME)),
+        ]
+        return self._confirm(request, queryset, action, params, request.get_full_path())
+
+    def triage_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
+        """The change page's requeue and mark-dead buttons: a confirmation (GET), then the
+        change (POST, CSRF-protected), both with the change permission."""
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None:
+            raise Http404(f"No outbox event {object_id!r}.")
+        if not self.has_change_permission(request, obj):
+            raise PermissionDenied
+        query = f"?{request.GET.urlencode()}" if request.GET else ""
+        change = reverse(self._url_name("change"), args=[quote(obj.pk)]) + query
+        selection: OutboxEventQuerySet = self.get_queryset(request).filter(pk=obj.pk)  # type: ignore[assignment]
+        if request.method == "POST":
+            self._triage(request, selection, action)
+            return HttpResponseRedirect(change)
+        return self._confirm(request, selection, action, [], change, (change, str(obj)))
+
+    def _confirm(
+        self,
+        request: HttpRequest,
+        queryset: OutboxEventQuerySet,
+        action: str,
+        params: list[tuple[str, Any]],
+        cancel_url: str,
+        *crumbs: tuple[str, str],
+    ) -> HttpResponse:
+        held = self._held(queryset)
+        changed = queryset.exclude_in_flight().filter(status__in=TRIAGE[action])
+        count = changed.count()
+        context = {
+            **self.admin_site.each_context(request),
+            "title": TRIAGE_TITLES[action],
+            "opts": self.model._meta,
+            "app_label": self.model._meta.app_label,
+            "breadcrumb_trail": self._trail(*crumbs),
+            "action": action,
+            "count": count,
+            "sample": changed.order_by("id")[:SAMPLE],
+            "held": held,
+            "held_ids": _ids(held),
+            "skipped": queryset.count() - count - len(held),
+            "skipped_why": TRIAGE_SKIPPED[action],
+            "params": params,
+            "cancel_url": cancel_url,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.action_template, context)
+
+    def _triage(self, request: HttpRequest, queryset: OutboxEventQuerySet, action: str) -> None:
+        """Requeue or mark dead what ``queryset`` holds, through the QuerySet's lifecycle
+        methods. Rows a relay is publishing right now are left alone, as outbox_requeue
+        leaves them (requeued, they would be published a second time) and named, so the
+        operator can come back to them if they fail."""
         selected = queryset.count()
-        # Rows a relay is publishing right now are left alone, as outbox_requeue leaves
-        # them: requeued, they would be published a second time. Named, so the operator
-        # can come back to them if they fail.
-        held = list(queryset.leased().order_by("id").values_list("event_id", flat=True))
-        n = queryset.exclude_in_flight().requeue()
-        self.message_user(
-            request,
-            ngettext(
+        held = self._held(queryset)
+        rows = queryset.exclude_in_flight()
+        if action == "requeue":
+            n = rows.requeue()
+            done = ngettext(
                 "%(count)d event requeued: it is due now and the relay will publish it.",
                 "%(count)d events requeued: they are due now and the relay will publish them.",
                 n,
             )
-            % {"count": n},
-            messages.SUCCESS,
-        )
-        if held:
-            shown = ", ".join(held[:HELD_NAMED]) + (", ..." if len(held) > HELD_NAMED else "")
-            self._skipped(
-                request,
-                len(held),
-                _(
-                    "a relay is publishing it right now, requeueing it would publish it twice; "
-                    "if it fails, requeue it once the relay has settled it: %(ids)s"
-                )
-                % {"ids": shown},
-            )
-        self._skipped(request, selected - n - len(held), _("already sent"))
-
-    @admin.action(description=_("Mark selected pending events as dead"), permissions=["change"])
-    def mark_dead(self, request: HttpRequest, queryset: OutboxEventQuerySet) -> None:
-        selected = queryset.count()
-        n = queryset.mark_dead()
-        self.message_user(
-            request,
-            ngettext(
+        else:
+            n = rows.mark_dead()
+            done = ngettext(
                 "%(count)d event marked dead; the relay will not publish it.",
                 "%(count)d events marked dead; the relay will not publish them.",
                 n,
             )
-            % {"count": n},
-            messages.SUCCESS,
-        )
-        self._skipped(request, selected - n, _("not pending"))
+        self.message_user(request, done % {"count": n}, messages.SUCCESS)
+        if held:
+            self._skipped(
+                request,
+                len(held),
+                _(
+                    "a relay is publishing it right now, so it would be published anyway; "
+                    "if it fails, triage it once the relay has settled it: %(ids)s"
+                )
+                % {"ids": _ids(held)},
+            )
+        self._skipped(request, selected - n - len(held), TRIAGE_SKIPPED[action])
+
+    @staticmethod
+    def _held(queryset: OutboxEventQuerySet) -> list[str]:
+        """The event ids of the rows a relay is publishing right now."""
+        return list(queryset.leased().order_by("id").values_list("event_id", flat=True))
+
+    def _url_name(self, view: str) -> str:
+        opts = self.model._meta
+        return f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_{view}"
+
+    def _trail(self, *more: tuple[str, str]) -> list[tuple[str, str]]:
+        """The breadcrumbs between Home and a page's title: the app, the event list, then
+        ``more`` (``(url, label)``)."""
+        opts = self.model._meta
+        app = reverse(f"{self.admin_site.name}:app_list", kwargs={"app_label": opts.app_label})
+        return [
+            (app, str(opts.app_config.verbose_name)),
+            (reverse(self._url_name("changelist")), capfirst(opts.verbose_name_plural)),
+            *more,
+        ]
 
     def _skipped(self, request: HttpRequest, n: int, why: Any) -> None:
         if n:
@@ -363,7 +561,17 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             self.admin_site.admin_view(self.requeue_view),
             name="django_outbox_outboxevent_requeue",
         )
-        return [dashboard, requeue_all, *super().get_urls()]
+        # Before the model's own URLs, whose <path:object_id>/ would take them.
+        triage = [
+            path(
+                f"<path:object_id>/{action.replace('_', '-')}/",
+                self.admin_site.admin_view(self.triage_view),
+                {"action": action},
+                name=f"django_outbox_outboxevent_{action}",
+            )
+            for action in TRIAGE
+        ]
+        return [dashboard, requeue_all, *triage, *super().get_urls()]
 
     def dashboard_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_or_change_permission(request):
@@ -375,6 +583,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         context = {
             **self.admin_site.each_context(request),
             "title": _("Outbox dashboard"),
+            "breadcrumb_trail": self._trail(),
             "opts": self.model._meta,
             "app_label": self.model._meta.app_label,
             "stats": snapshot,
@@ -474,6 +683,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         context = {
             **self.admin_site.each_context(request),
             "title": _("Requeue dead letters"),
+            "breadcrumb_trail": self._trail((dashboard, str(_("Outbox dashboard")))),
             "opts": self.model._meta,
             "app_label": self.model._meta.app_label,
             "count": preview.changed,
@@ -481,7 +691,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "sample": preview.sample,
             "params": [(k, params[k]) for k in ("event_type", "reason") if params.get(k)],
             "command": command,
-            "dashboard_url": dashboard,
+            "cancel_url": dashboard,
             "changelist_url": reverse(
                 f"{self.admin_site.name}:django_outbox_outboxevent_changelist"
             ),
@@ -506,6 +716,30 @@ def requeue_all_selection(params: Any) -> tuple[requeue.Selection, str]:
         selection = requeue.Selection(error_contains=f"[{reason}]")
         option = f"--error-contains {shlex.quote(f'[{reason}]')}"
     return selection, f"python manage.py outbox_requeue {option}"
+
+
+def _ids(event_ids: list[str]) -> str:
+    """The first event ids of a list, for a message that names them."""
+    return ", ".join(event_ids[:HELD_NAMED]) + (", ..." if len(event_ids) > HELD_NAMED else "")
+
+
+def _compact(moment: datetime | None) -> str:
+    """``12-04 23:22:08`` in the current time zone, the whole time in its tooltip: a
+    narrow column."""
+    if moment is None:
+        return ""
+    if timezone.is_aware(moment):
+        moment = timezone.localtime(moment)
+    return format_html(
+        '<span title="{}">{}</span>',
+        moment.isoformat(sep=" ", timespec="seconds"),
+        moment.strftime("%m-%d %H:%M:%S"),
+    )
+
+
+def _cut(text: str) -> str:
+    """``text`` in a cell the stylesheet may cut with an ellipsis, whole in its tooltip."""
+    return format_html('<span title="{}">{}</span>', text, text)
 
 
 def _pretty(value: Any) -> str:

@@ -383,11 +383,13 @@ def test_event_list_and_actions_on_another_database(superuser_client):
     url = reverse(CHANGE, args=[dead[0].pk]) + "?_changelist_filters=database%3Dother"
     assert dead[0].event_id in superuser_client.get(url).content.decode()
 
-    # the requeue action works on the rows of the database listed
-    response = superuser_client.post(
-        f"{changelist}?database=other",
-        {"action": "requeue", "_selected_action": [row.pk for row in dead]},
-    )
+    # the requeue action works on the rows of the database listed: its confirmation
+    # counts them there, and so does the change once confirmed
+    selected = {"action": "requeue", "_selected_action": [row.pk for row in dead]}
+    response = superuser_client.post(f"{changelist}?database=other", selected)
+    assert response.status_code == 200
+    assert response.context["count"] == 2
+    response = superuser_client.post(f"{changelist}?database=other", {**selected, "post": "yes"})
     assert response.status_code == 302
     assert statuses("other") == {Status.PENDING: 2}
     assert statuses("default") == {Status.DEAD: 1}
