@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import pytest
@@ -12,6 +13,9 @@ import pytest
 from django_outbox.backends import locmem
 from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy
+
+if TYPE_CHECKING:
+    from tests.utils.packaging import Dist
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -89,6 +93,23 @@ def proxied(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
     proxy, url = TcpProxy.for_url(broker.url)
     yield proxy, url
     proxy.close()
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    """The sdist and the wheel, built once per session (tests/utils/packaging.py)."""
+    from tests.utils.packaging import build
+
+    return build(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture
+def fresh_database() -> Iterator[str]:
+    """A PostgreSQL database of its own for a brand-new project, dropped afterwards."""
+    from tests.utils.packaging import fresh_postgres_database
+
+    with fresh_postgres_database() as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)
