@@ -7,14 +7,16 @@ lists every one. A new problem gets a new id; an id is never reused for another 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from .conf import PREFIX, OutboxSettings, outbox_settings
+from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, PREFIX, OutboxSettings, outbox_settings
 from .exceptions import ImproperlyConfiguredBackend
 
 
@@ -24,6 +26,7 @@ class Codes:
     NO_SKIP_LOCKED = "django_outbox.E003"
     SQLITE = "django_outbox.W004"
     BROKER_URL = "django_outbox.E005"  # reported by backends.pika.PikaBackend.check()
+    BROKER_URL_UNSET = "django_outbox.W005"  # E005's empty URL, where nothing is published
     UNKNOWN_SETTING = "django_outbox.W006"
     NUMBERS = "django_outbox.E007"
     LEASE = "django_outbox.E008"
@@ -213,6 +216,30 @@ def _outbox_aliases(databases: Iterable[str] | None) -> list[str]:
 
     aliases = list(databases) if databases is not None else list(connections)
     return [a for a in aliases if router.allow_migrate_model(a, OutboxEvent)]
+
+
+#: Set while the system checks of a command that publishes run (see :func:`publishing`).
+_PUBLISHING: ContextVar[bool] = ContextVar("django_outbox_publishing", default=False)
+
+
+@contextmanager
+def publishing() -> Iterator[None]:
+    """Around the system checks of a command that publishes (publish_outbox,
+    compensate_outbox, outbox_check): what only publishing needs, a broker URL, is an error
+    there and a warning for every other command, so that migrate, makemigrations or shell
+    run in a project whose broker is not configured yet."""
+    token = _PUBLISHING.set(True)
+    try:
+        yield
+    finally:
+        _PUBLISHING.reset(token)
+
+
+def broker_url_missing() -> CheckMessage:
+    """An empty ``OUTBOX_BROKER_URL``: E005 for a command that publishes, else W005."""
+    if _PUBLISHING.get():
+        return Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)
+    return Warning(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL_UNSET)
 
 
 @register()

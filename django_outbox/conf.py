@@ -95,7 +95,10 @@ DEFAULT_RETRY_SCHEDULE: tuple[float, ...] = (1, 5, 30, 120, 900, 3600, 21600)
 BROKER_URL_EMPTY = "OUTBOX_BROKER_URL is empty: there is no RabbitMQ to connect to."
 BROKER_URL_EMPTY_HINT = (
     "Set OUTBOX_BROKER_URL to the AMQP URL of RabbitMQ, e.g. "
-    "'amqp://user:password@rabbitmq:5672/%2F' (for instance from an environment variable)."
+    "'amqp://user:password@rabbitmq:5672/%2F' (for instance from an environment variable). "
+    "Without RabbitMQ (development, tests), let the relay print each event with "
+    "OUTBOX_BACKEND = 'django_outbox.backends.console.ConsoleBackend', or keep them in "
+    "memory with 'django_outbox.backends.locmem.LocmemBackend'."
 )
 
 

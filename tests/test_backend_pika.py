@@ -12,12 +12,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from django.core import checks
 from django.test import override_settings
 
 from django_outbox.backends import get_backend
 from django_outbox.backends.base import BrokerUnavailable, Reason
 from django_outbox.backends.pika import FLUSH_EVERY, PikaBackend, mask_url
-from django_outbox.checks import Codes
+from django_outbox.checks import Codes, publishing
 from django_outbox.models import OutboxEvent
 from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy, closed_port
@@ -369,7 +370,6 @@ def test_options_and_settings(amqp_url: str) -> None:
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
-        ("", "is empty"),
         ("http://guest:hunter2@rabbit:5672/", "not an amqp"),
         ("redis://127.0.0.1:6379/0", "not an amqp"),
     ],
@@ -381,6 +381,20 @@ def test_check_reports_a_bad_broker_url(url: str, problem: str) -> None:
     assert problem in error.msg
     assert "hunter2" not in error.msg
     assert "amqp://user:password@rabbitmq:5672/%2F" in error.hint
+
+
+def test_an_empty_broker_url_is_an_error_only_for_the_commands_that_publish() -> None:
+    """Issue 28, item 6: migrate, makemigrations or shell need no broker (W005); the
+    commands that publish run their checks in publishing() and get E005."""
+    with override_settings(OUTBOX_BROKER_URL="", OUTBOX_BACKEND_OPTIONS={}):
+        [warning] = PikaBackend.check()
+        with publishing():
+            [error] = PikaBackend.check()
+    assert (warning.level, warning.id) == (checks.WARNING, "django_outbox.W005")
+    assert (error.level, error.id) == (checks.ERROR, "django_outbox.E005")
+    assert warning.msg == error.msg and warning.hint == error.hint
+    assert "django_outbox.backends.console.ConsoleBackend" in error.hint
+    assert "django_outbox.backends.locmem.LocmemBackend" in error.hint
 
 
 def test_an_empty_broker_url_gets_the_same_message_from_the_check_relay_and_consumer() -> None:

@@ -230,3 +230,33 @@ def test_ordered_isolation(settings, monkeypatch):
     assert Codes.ORDERED_ISOLATION in ids(check_ordered_isolation())
     settings.OUTBOX_ORDERED = False
     assert check_ordered_isolation() == []
+
+
+PIKA = "django_outbox.backends.pika.PikaBackend"
+
+
+@pytest.mark.django_db(databases="__all__")  # migrate --plan reads every database
+def test_an_empty_broker_url_does_not_stand_in_the_way_of_migrate(settings):
+    """Issue 28, item 6: E005 blocked migrate and makemigrations in a project whose broker
+    was not configured yet. There it is W005; the commands that publish exit 2 on E005."""
+    from io import StringIO
+
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+
+    settings.OUTBOX_BACKEND, settings.OUTBOX_BROKER_URL = PIKA, ""
+    out = StringIO()
+    call_command("migrate", "--plan", skip_checks=False, stdout=out, stderr=out)
+    call_command(
+        "makemigrations", "--check", "--dry-run", skip_checks=False, stdout=out, stderr=out
+    )
+    for command, args in [
+        ("publish_outbox", ["--once"]),
+        ("compensate_outbox", []),
+        ("outbox_check", []),
+    ]:
+        with pytest.raises(SystemCheckError) as info:
+            call_command(command, *args, skip_checks=False, stdout=out, stderr=out)
+        assert info.value.returncode == 2
+        assert "(django_outbox.E005) OUTBOX_BROKER_URL is empty" in str(info.value)
+        assert "ConsoleBackend" in str(info.value) and "LocmemBackend" in str(info.value)

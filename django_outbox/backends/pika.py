@@ -142,7 +142,7 @@ class PikaBackend(AmqpBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, Hints, Messages
+        from ..checks import Codes, Hints, Messages, broker_url_missing
 
         options = outbox_settings.BACKEND_OPTIONS or {}
         value = options.get("broker_url") or outbox_settings.BROKER_URL
@@ -151,7 +151,7 @@ class PikaBackend(AmqpBackend):
         except TypeError as exc:
             return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
         if not urls:
-            return [Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)]
+            return [broker_url_missing()]
         errors: list[CheckMessage] = []
         vhosts: dict[str, None] = {}  # in the order of the URLs
         for number, url in enumerate(urls, 1):

@@ -8,17 +8,23 @@ one line that names the database, never exit 1 and a hundred lines of driver tra
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import (
+    BaseCommand,
+    CommandError,
+    CommandParser,
+    SystemCheckError,
+)
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 from django.utils.connection import ConnectionDoesNotExist
 
 if TYPE_CHECKING:
     from django.db.models import Model
 
+from ..checks import publishing
 from ..db import database_answers, missing_tables
 from ..masking import mask_url
 from ..models import outbox_db
@@ -122,6 +128,9 @@ class DatabaseCommand(BaseCommand):
 
     #: Whether the run needs the outbox table on its databases (consume_outbox does not).
     needs_outbox_table = True
+    #: Whether the command publishes: then the checks that only publishing needs (a broker
+    #: URL) are errors, and a failed system check is exit 2 (misconfigured).
+    publishes = False
 
     def add_database_argument(self, parser: CommandParser) -> None:
         """``--database ALIAS``: the outbox this run works on, for a project whose outbox
@@ -158,7 +167,12 @@ class DatabaseCommand(BaseCommand):
         # Django's system checks connect to every database in DATABASES on MySQL/MariaDB
         # (for --list and --database ALIAS too, which need no outbox connection).
         try:
-            super().check(*args, **kwargs)
+            with publishing() if self.publishes else nullcontext():
+                super().check(*args, **kwargs)
+        except SystemCheckError as exc:
+            if self.publishes:
+                exc.returncode = 2  # misconfigured, as the exit code tables say
+            raise
         except CONNECTION_ERRORS:
             for using in connections:
                 require_database(self.command_name, using)  # raises for the one down

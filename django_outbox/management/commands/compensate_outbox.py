@@ -25,6 +25,7 @@ class Command(DatabaseCommand):
         "Deliver PENDING outbox events the relay left behind (older than --stale-after), "
         "at most --max-batch, then exit. Meant for a Kubernetes CronJob every 5 minutes."
     )
+    publishes = True
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(

@@ -35,6 +35,7 @@ class Command(DatabaseCommand):
         "its exchange, and for each known event type whether a queue is bound. Exit 0 all "
         "well, 1 an event type has no queue, 2 unreachable or misconfigured."
     )
+    publishes = True
 
     def add_arguments(self, parser: CommandParser) -> None:
         self.add_database_argument(parser)

@@ -29,6 +29,7 @@ class Command(DatabaseCommand):
         "Relay committed outbox events to the broker, marking them SENT only after the "
         "broker confirmed them. Runs until SIGTERM/SIGINT; --once drains what is due and exits."
     )
+    publishes = True
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--once", action="store_true", help="Drain what is due now, then exit.")
