@@ -15,6 +15,8 @@ from tests.utils.amqp import Broker
 from tests.utils.proxy import TcpProxy
 
 if TYPE_CHECKING:
+    from django.test import Client
+
     from tests.utils.packaging import Dist
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -110,6 +112,14 @@ def fresh_database() -> Iterator[str]:
 
     with fresh_postgres_database() as url:
         yield url
+
+
+@pytest.fixture
+def superuser_client() -> Client:
+    """The admin, logged in as a superuser."""
+    from tests.utils.admin import superuser_client
+
+    return superuser_client()
 
 
 @pytest.fixture(autouse=True)

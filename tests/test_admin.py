@@ -22,14 +22,6 @@ DASHBOARD = "admin:django_outbox_outboxevent_dashboard"
 
 
 @pytest.fixture
-def superuser_client() -> Client:
-    user = User.objects.create_superuser("root", "root@example.com", "pw")
-    client = Client()
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def viewer_client() -> Client:
     """Staff with view permission only: may look, may not triage."""
     user = User.objects.create_user("viewer", password="pw", is_staff=True)

@@ -4,30 +4,20 @@ failure reason, a confirmation page, the change permission and CSRF."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
 from django_outbox.backends.base import Reason
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.stats import DeadReason, dead_reasons
+from tests.utils.admin import staff_client
 from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db
 
 DASHBOARD = "admin:django_outbox_outboxevent_dashboard"
 REQUEUE = "admin:django_outbox_outboxevent_requeue"
-
-
-def staff_client(username: str, *codenames: str) -> Client:
-    user = User.objects.create_user(username, password="pw", is_staff=True)
-    for codename in codenames:
-        user.user_permissions.add(
-            Permission.objects.get(codename=codename, content_type__app_label="django_outbox")
-        )
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture

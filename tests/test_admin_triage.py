@@ -8,13 +8,14 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.stats import db_now
 from django_outbox.templatetags.outbox_admin import outbox_crumbs
+from tests.utils.admin import staff_client
 from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db
@@ -23,28 +24,9 @@ CHANGELIST = "admin:django_outbox_outboxevent_changelist"
 DASHBOARD = "admin:django_outbox_outboxevent_dashboard"
 
 
-def client_for(username: str, *codenames: str, superuser: bool = False) -> Client:
-    if superuser:
-        user = User.objects.create_superuser(username, f"{username}@example.com", "pw")
-    else:
-        user = User.objects.create_user(username, password="pw", is_staff=True)
-    for codename in codenames:
-        user.user_permissions.add(
-            Permission.objects.get(codename=codename, content_type__app_label="django_outbox")
-        )
-    client = Client()
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
-def root() -> Client:
-    return client_for("root", superuser=True)
-
-
 @pytest.fixture
 def viewer() -> Client:
-    return client_for("viewer", "view_outboxevent")
+    return staff_client("viewer", "view_outboxevent")
 
 
 def statuses(*rows: OutboxEvent) -> list[int]:
@@ -60,7 +42,7 @@ def held_row(**fields: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("action", ["requeue", "mark_dead"])
-def test_a_list_action_shows_what_it_would_do_and_changes_nothing(root, action):
+def test_a_list_action_shows_what_it_would_do_and_changes_nothing(superuser_client, action):
     dead, pending, held, sent = make_events(
         {"status": Status.DEAD, "last_error": "[unroutable] NO_ROUTE"},
         {"retry_count": 2},
@@ -69,7 +51,7 @@ def test_a_list_action_shows_what_it_would_do_and_changes_nothing(root, action):
     )
     rows = [dead, pending, held, sent]
     selected = {"action": action, ACTION_CHECKBOX_NAME: [r.pk for r in rows], "index": 0}
-    page = root.post(reverse(CHANGELIST), selected)
+    page = superuser_client.post(reverse(CHANGELIST), selected)
     assert page.status_code == 200
     body = page.content.decode()
     assert statuses(*rows) == [Status.DEAD, Status.PENDING, Status.PENDING, Status.SENT]
@@ -89,10 +71,10 @@ def test_a_list_action_shows_what_it_would_do_and_changes_nothing(root, action):
     assert 'class="button cancel-link"' in body
 
 
-def test_confirming_the_list_action_requeues_and_says_what_it_left(root):
+def test_confirming_the_list_action_requeues_and_says_what_it_left(superuser_client):
     dead, held = make_events({"status": Status.DEAD}, held_row())
     data = {"action": "requeue", ACTION_CHECKBOX_NAME: [dead.pk, held.pk], "post": "yes"}
-    response = root.post(reverse(CHANGELIST), data, follow=True)
+    response = superuser_client.post(reverse(CHANGELIST), data, follow=True)
     messages = [str(m) for m in response.context["messages"]]
     assert messages[0] == "1 event requeued: it is due now and the relay will publish it."
     assert held.event_id in messages[1]
@@ -114,54 +96,54 @@ def change_url(row: OutboxEvent) -> str:
     return reverse("admin:django_outbox_outboxevent_change", args=[row.pk])
 
 
-def test_the_change_page_offers_what_applies_to_the_row(root, viewer):
+def test_the_change_page_offers_what_applies_to_the_row(superuser_client, viewer):
     dead, pending, sent = make_events(
         {"status": Status.DEAD}, {"status": Status.PENDING}, {"status": Status.SENT}
     )
     requeue = reverse("admin:django_outbox_outboxevent_requeue", args=[dead.pk])
-    body = root.get(change_url(dead)).content.decode()
+    body = superuser_client.get(change_url(dead)).content.decode()
     assert f'href="{requeue}" class="outbox-requeue"' in body
     assert "outbox-mark-dead" not in body
-    body = root.get(change_url(pending)).content.decode()
+    body = superuser_client.get(change_url(pending)).content.decode()
     assert "outbox-requeue" in body and "outbox-mark-dead" in body
-    body = root.get(change_url(sent)).content.decode()
+    body = superuser_client.get(change_url(sent)).content.decode()
     assert "outbox-requeue" not in body and "outbox-mark-dead" not in body
     assert "outbox-requeue" not in viewer.get(change_url(dead)).content.decode()
 
 
-def test_a_change_page_button_confirms_then_requeues_and_comes_back(root):
+def test_a_change_page_button_confirms_then_requeues_and_comes_back(superuser_client):
     (dead,) = make_events({"status": Status.DEAD, "retry_count": 9})
     url = reverse("admin:django_outbox_outboxevent_requeue", args=[dead.pk])
-    page = root.get(url)
+    page = superuser_client.get(url)
     assert page.status_code == 200
     body = page.content.decode()
     assert "Requeue this event?" in body and dead.event_id in body
     assert f'<a href="{change_url(dead)}" class="button cancel-link">' in body
     assert statuses(dead) == [Status.DEAD]
-    response = root.post(url, follow=True)
+    response = superuser_client.post(url, follow=True)
     assert response.redirect_chain == [(change_url(dead), 302)]
     assert statuses(dead) == [Status.PENDING]
     assert OutboxEvent.objects.get(pk=dead.pk).retry_count == 0
 
 
-def test_mark_dead_from_the_change_page_leaves_a_row_a_relay_holds(root):
+def test_mark_dead_from_the_change_page_leaves_a_row_a_relay_holds(superuser_client):
     (held,) = make_events(held_row())
     url = reverse("admin:django_outbox_outboxevent_mark_dead", args=[held.pk])
-    body = root.get(url).content.decode()
+    body = superuser_client.get(url).content.decode()
     assert "Nothing to mark dead" in body and held.event_id in body
     assert 'value="Yes, mark' not in body
-    root.post(url)
+    superuser_client.post(url)
     assert statuses(held) == [Status.PENDING]
 
 
-def test_the_buttons_need_the_change_permission_and_a_row(root, viewer):
+def test_the_buttons_need_the_change_permission_and_a_row(superuser_client, viewer):
     (dead,) = make_events({"status": Status.DEAD})
     url = reverse("admin:django_outbox_outboxevent_requeue", args=[dead.pk])
     assert viewer.get(url).status_code == 403
     assert viewer.post(url).status_code == 403
     assert statuses(dead) == [Status.DEAD]
     missing = reverse("admin:django_outbox_outboxevent_requeue", args=[dead.pk + 1000])
-    assert root.get(missing).status_code == 404
+    assert superuser_client.get(missing).status_code == 404
     strict = Client(enforce_csrf_checks=True)
     strict.force_login(User.objects.get(username="root"))
     assert strict.post(url).status_code == 403
@@ -171,12 +153,12 @@ def test_the_buttons_need_the_change_permission_and_a_row(root, viewer):
 # -- the list ----------------------------------------------------------------------------------
 
 
-def test_the_list_leaves_empty_what_does_not_apply_and_shortens_the_event_id(root):
+def test_the_list_leaves_empty_what_does_not_apply_and_shortens_the_event_id(superuser_client):
     sent, pending = make_events(
         {"status": Status.SENT, "retry_count": 2, "last_error": "[timeout] earlier attempt"},
         {"retry_count": 1, "last_error": "[nacked] full"},
     )
-    body = root.get(reverse(CHANGELIST)).content.decode()
+    body = superuser_client.get(reverse(CHANGELIST)).content.decode()
     assert "earlier attempt" not in body  # a SENT row's old error
     assert "[nacked] full" in body
     rows = {
@@ -190,21 +172,21 @@ def test_the_list_leaves_empty_what_does_not_apply_and_shortens_the_event_id(roo
     assert f'title="{sent.event_id}">{sent.event_id[:8]}…</span>' in rows[sent.pk]
 
 
-def test_a_sent_rows_page_says_its_error_is_an_earlier_attempts(root):
+def test_a_sent_rows_page_says_its_error_is_an_earlier_attempts(superuser_client):
     (sent,) = make_events({"status": Status.SENT, "last_error": "[timeout] earlier"})
-    body = root.get(change_url(sent)).content.decode()
+    body = superuser_client.get(change_url(sent)).content.decode()
     assert "An earlier attempt&#x27;s error; the event was sent since." in body
 
 
 # -- the admin index, the breadcrumbs --------------------------------------------------------
 
 
-def test_the_admin_index_lists_the_dashboard_for_who_sees_the_events(root, viewer):
-    for client in (root, viewer):
+def test_the_admin_index_lists_the_dashboard_for_who_sees_the_events(superuser_client, viewer):
+    for client in (superuser_client, viewer):
         body = client.get(reverse("admin:index")).content.decode()
         assert f'<a href="{reverse(DASHBOARD)}"' in body
         assert "Outbox dashboard" in body
-    nobody = client_for("nobody")
+    nobody = staff_client("nobody")
     assert reverse(DASHBOARD) not in nobody.get(reverse("admin:index")).content.decode()
 
 
@@ -215,12 +197,12 @@ PAGES = {
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_the_pages_breadcrumbs_are_the_admins_own(root, page):
+def test_the_pages_breadcrumbs_are_the_admins_own(superuser_client, page):
     """Each page's breadcrumbs in the markup the changelist (Django's own) has."""
     make_events({"status": Status.DEAD, "event_type": "ORDER_PAID"})
-    own = _breadcrumbs(root.get(reverse(CHANGELIST)).content.decode())
+    own = _breadcrumbs(superuser_client.get(reverse(CHANGELIST)).content.decode())
     name, query = PAGES[page]
-    ours = _breadcrumbs(root.get(reverse(name) + query).content.decode())
+    ours = _breadcrumbs(superuser_client.get(reverse(name) + query).content.decode())
     assert ours.split(">", 1)[0] == own.split(">", 1)[0]  # the same wrapper element
     assert reverse("admin:app_list", args=["django_outbox"]) in ours
     assert reverse(CHANGELIST) in ours

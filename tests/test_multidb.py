@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import User
 from django.core.checks import Warning as CheckWarning
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connections
-from django.test import Client, override_settings
+from django.test import override_settings
 from django.urls import reverse
 from prometheus_client import CollectorRegistry
 
@@ -338,13 +337,6 @@ def test_checks_w001_w002():
 DASHBOARD = "admin:django_outbox_outboxevent_dashboard"
 CHANGELIST = "admin:django_outbox_outboxevent_changelist"
 CHANGE = "admin:django_outbox_outboxevent_change"
-
-
-@pytest.fixture
-def superuser_client() -> Client:
-    client = Client()
-    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
-    return client
 
 
 @pytest.mark.django_db(databases=BOTH)
