@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
@@ -286,20 +286,42 @@ def _schedule(deliver_at: Any, delay: Any) -> dict[str, Any]:
     return {"delay": delay}
 
 
-def build_event(
-    event_type: str,
-    *,
-    payload: Any,
-    aggregate: models.Model | None = None,
-    aggregate_type: str | None = None,
-    aggregate_id: Any = None,
-    event_id: str | uuid.UUID | None = None,
-    headers: Mapping[str, Any] | None = None,
-    occurred_at: datetime | None = None,
-    deliver_at: datetime | None = None,
-    delay: timedelta | float | None = None,
-) -> OutboxEvent:
+class EventArgs(NamedTuple):
+    """What ``emit()`` was given for one event, as given: built once where the caller's
+    arguments come in (``emit()``, ``Outbox.emit()``) and passed on whole to
+    :func:`build_event`, which checks every field.
+
+    A named tuple, built positionally: emit() is on every request's path, and a frozen
+    dataclass took five times as long to build (its ``__init__`` sets each field through
+    ``object.__setattr__``).
+    """
+
+    event_type: str
+    payload: Any
+    aggregate: models.Model | None = None
+    aggregate_type: str | None = None
+    aggregate_id: Any = None
+    event_id: str | uuid.UUID | None = None
+    headers: Mapping[str, Any] | None = None
+    occurred_at: datetime | None = None
+    deliver_at: datetime | None = None
+    delay: timedelta | float | None = None
+
+
+def build_event(args: EventArgs) -> OutboxEvent:
     """Validate and serialise one event into an unsaved row; raise InvalidEvent if bad."""
+    (
+        event_type,
+        payload,
+        aggregate,
+        aggregate_type,
+        aggregate_id,
+        event_id,
+        headers,
+        occurred_at,
+        deliver_at,
+        delay,
+    ) = args
     if not isinstance(event_type, str):
         raise InvalidEvent(f"event_type must be a string, got {type(event_type).__name__}.")
     # The message type and the default routing key.
@@ -462,23 +484,28 @@ class Outbox:
         delay: timedelta | float | None = None,
     ) -> OutboxEvent:
         """Add an event to this block; it is written when the block exits without error."""
+        return self._add(
+            EventArgs(
+                event_type,
+                payload,
+                aggregate,
+                aggregate_type,
+                aggregate_id,
+                event_id,
+                headers,
+                occurred_at,
+                deliver_at,
+                delay,
+            )
+        )
+
+    def _add(self, args: EventArgs) -> OutboxEvent:
         if self._atomic is None:
             raise NotInTransaction(
                 "box.emit() was called after its `with outbox.atomic() as box:` block "
                 "ended; emit inside the block so the event commits with the business write."
             )
-        event = build_event(
-            event_type,
-            payload=payload,
-            aggregate=aggregate,
-            aggregate_type=aggregate_type,
-            aggregate_id=aggregate_id,
-            event_id=event_id,
-            headers=headers,
-            occurred_at=occurred_at,
-            deliver_at=deliver_at,
-            delay=delay,
-        )
+        event = build_event(args)
         self.events.append(event)
         return event
 
@@ -545,31 +572,21 @@ def emit(
     """
     alias = outbox_db(using)
     _require_transaction(alias)
+    args = EventArgs(
+        event_type,
+        payload,
+        aggregate,
+        aggregate_type,
+        aggregate_id,
+        event_id,
+        headers,
+        occurred_at,
+        deliver_at,
+        delay,
+    )
     stack = _stack(alias)
     if stack and stack[-1]._is_innermost():
-        return stack[-1].emit(
-            event_type,
-            payload=payload,
-            aggregate=aggregate,
-            aggregate_type=aggregate_type,
-            aggregate_id=aggregate_id,
-            event_id=event_id,
-            headers=headers,
-            occurred_at=occurred_at,
-            deliver_at=deliver_at,
-            delay=delay,
-        )
-    event = build_event(
-        event_type,
-        payload=payload,
-        aggregate=aggregate,
-        aggregate_type=aggregate_type,
-        aggregate_id=aggregate_id,
-        event_id=event_id,
-        headers=headers,
-        occurred_at=occurred_at,
-        deliver_at=deliver_at,
-        delay=delay,
-    )
+        return stack[-1]._add(args)
+    event = build_event(args)
     _insert([event], alias)
     return event

@@ -351,14 +351,16 @@ def test_innermost_atomic_is_the_block_entered_last() -> None:
 def _events(prefix: str, count: int) -> list[OutboxEvent]:
     return [
         outbox.build_event(
-            "X",
-            payload={"n": i, "at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)},
-            aggregate_type="T",
-            aggregate_id=i,
-            event_id=f"{prefix}-{i}",
-            headers={"h": "v"},
-            occurred_at=datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc),
-            delay=5 if i % 2 else None,
+            outbox.EventArgs(
+                "X",
+                payload={"n": i, "at": datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)},
+                aggregate_type="T",
+                aggregate_id=i,
+                event_id=f"{prefix}-{i}",
+                headers={"h": "v"},
+                occurred_at=datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc),
+                delay=5 if i % 2 else None,
+            )
         )
         for i in range(count)
     ]
