@@ -7,7 +7,7 @@ lists every one. A new problem gets a new id; an id is never reused for another 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -129,7 +129,7 @@ class Hints:
     UNKNOWN_SETTING_NONE = "Remove {name}; docs/settings.md lists every setting."
     NUMBERS = "Set {name} to {rule} such as {default!r} (the default)."
     NUMBERS_UNSET = "Set {name} to {rule}, or remove it: the relay then chooses per database."
-    LEASE = "Set OUTBOX_LEASE_SECONDS above {timeout}, e.g. OUTBOX_LEASE_SECONDS = {lease:g}."
+    LEASE = "Set OUTBOX_LEASE_SECONDS above {timeout}, e.g. OUTBOX_LEASE_SECONDS = {suggested:g}."
     ORDERED = "Set OUTBOX_ORDERED = True, or a list of types such as ['ORDER_CREATED']."
     ORDERED_DEAD_HEAD = (
         "Set OUTBOX_ORDERED_DEAD_HEAD = 'block' (the default: later events wait until the "
@@ -144,7 +144,7 @@ class Hints:
         "'OPTIONS': {{}}}} or as another channel of docs/operations.md."
     )
     ALERTS_NOT_A_LIST = (
-        "Set OUTBOX_ALERTS = [{'BACKEND': 'django_outbox.alerts.LoggingChannel'}] (the "
+        "Set OUTBOX_ALERTS = [{{'BACKEND': 'django_outbox.alerts.LoggingChannel'}}] (the "
         "default) or another list of channels of docs/operations.md."
     )
     RETENTION = "Set OUTBOX_RETENTION_DAYS to 3 or more (default 7)."
@@ -211,6 +211,23 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
+def problem(
+    key: str,
+    level: Callable[..., CheckMessage] = Error,
+    /,
+    *,
+    message: str | None = None,
+    hint: str | None = None,
+    **values: Any,
+) -> CheckMessage:
+    """The check message of ``Codes.<key>``: ``Messages.<key>`` and ``Hints.<key>`` (or
+    the ``hint`` given, another of ``Hints``) filled in with ``values``; ``level`` is
+    ``Error`` or ``Warning``. A ``message`` given (an exception's text) is taken as it is."""
+    text = getattr(Messages, key).format(**values) if message is None else message
+    advice = (getattr(Hints, key) if hint is None else hint).format(**values)
+    return level(text, hint=advice, id=getattr(Codes, key))
+
+
 def _outbox_aliases(databases: Iterable[str] | None) -> list[str]:
     from .models import OutboxEvent
 
@@ -249,7 +266,7 @@ def check_backend(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     try:
         backend_class = get_backend_class()
     except ImproperlyConfiguredBackend as exc:
-        return [Error(str(exc), hint=Hints.BACKEND, id=Codes.BACKEND)]
+        return [problem("BACKEND", message=str(exc))]
     return list(backend_class.check(**kwargs))
 
 
@@ -258,7 +275,7 @@ def check_retry_schedule(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
     schedule = outbox_settings.RETRY_SCHEDULE
     if isinstance(schedule, (list, tuple)) and schedule and all(map(_positive, schedule)):
         return []
-    return [Error(Messages.RETRY_SCHEDULE, hint=Hints.RETRY_SCHEDULE, id=Codes.RETRY_SCHEDULE)]
+    return [problem("RETRY_SCHEDULE")]
 
 
 @register()
@@ -282,10 +299,8 @@ def check_positive_numbers(app_configs: Any = None, **kwargs: Any) -> list[Check
 def _number_error(name: str, rule: str, value: Any) -> CheckMessage:
     default = OutboxSettings.defaults()[PREFIX + name].default
     hint = Hints.NUMBERS if default is not None else Hints.NUMBERS_UNSET
-    return Error(
-        Messages.NUMBERS.format(name=PREFIX + name, rule=rule, value=value),
-        hint=hint.format(name=PREFIX + name, rule=rule, default=default),
-        id=Codes.NUMBERS,
+    return problem(
+        "NUMBERS", hint=hint, name=PREFIX + name, rule=rule, value=value, default=default
     )
 
 
@@ -295,13 +310,7 @@ def check_lease(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     # A value that is not a positive number is check_positive_numbers' to report.
     if not (_positive(lease) and _positive(timeout)) or lease > timeout:
         return []
-    return [
-        Error(
-            Messages.LEASE.format(lease=lease, timeout=timeout),
-            hint=Hints.LEASE.format(timeout=timeout, lease=6 * timeout),
-            id=Codes.LEASE,
-        )
-    ]
+    return [problem("LEASE", lease=lease, timeout=timeout, suggested=6 * timeout)]
 
 
 @register()
@@ -309,7 +318,7 @@ def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     days = outbox_settings.RETENTION_DAYS
     if not _positive(days) or days >= 3:
         return []
-    return [Warning(Messages.RETENTION.format(days=days), hint=Hints.RETENTION, id=Codes.RETENTION)]
+    return [problem("RETENTION", Warning, days=days)]
 
 
 @register()
@@ -318,24 +327,12 @@ def check_inbox_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckM
     if inbox is None:
         return []
     if not _positive(inbox):
-        return [
-            Error(
-                Messages.INBOX_RETENTION.format(value=inbox),
-                hint=Hints.INBOX_RETENTION,
-                id=Codes.INBOX_RETENTION,
-            )
-        ]
+        return [problem("INBOX_RETENTION", value=inbox)]
     # A bad OUTBOX_RETENTION_DAYS is check_positive_numbers' to report; the default (14)
     # follows a longer outbox retention by itself: only a value the project chose is wrong.
     if not _positive(sent) or inbox >= sent or not outbox_settings.is_set("INBOX_RETENTION_DAYS"):
         return []
-    return [
-        Error(
-            Messages.INBOX_RETENTION_SHORT.format(inbox=inbox, sent=sent),
-            hint=Hints.INBOX_RETENTION_SHORT.format(sent=sent),
-            id=Codes.INBOX_RETENTION_SHORT,
-        )
-    ]
+    return [problem("INBOX_RETENTION_SHORT", inbox=inbox, sent=sent)]
 
 
 @register()
@@ -345,7 +342,7 @@ def check_ordered(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         isinstance(ordered, (list, tuple)) and all(isinstance(v, str) for v in ordered)
     ):
         return []
-    return [Error(Messages.ORDERED, hint=Hints.ORDERED, id=Codes.ORDERED)]
+    return [problem("ORDERED")]
 
 
 @register()
@@ -353,13 +350,7 @@ def check_ordered_dead_head(app_configs: Any = None, **kwargs: Any) -> list[Chec
     dead_head = outbox_settings.ORDERED_DEAD_HEAD
     if dead_head in ("block", "skip"):
         return []
-    return [
-        Error(
-            Messages.ORDERED_DEAD_HEAD.format(value=dead_head),
-            hint=Hints.ORDERED_DEAD_HEAD,
-            id=Codes.ORDERED_DEAD_HEAD,
-        )
-    ]
+    return [problem("ORDERED_DEAD_HEAD", value=dead_head)]
 
 
 @register()
@@ -370,29 +361,22 @@ def check_alerts(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
     channels = outbox_settings.ALERTS
     if not isinstance(channels, (list, tuple)):
-        message = Messages.ALERTS.format(index="-", problem="not a list")
-        return [Error(message, hint=Hints.ALERTS_NOT_A_LIST, id=Codes.ALERTS)]
+        return [problem("ALERTS", hint=Hints.ALERTS_NOT_A_LIST, index="-", problem="not a list")]
     errors: list[CheckMessage] = []
     for index, entry in enumerate(channels):
-        problem = ""
+        what = ""
         if not isinstance(entry, dict) or "BACKEND" not in entry:
-            problem = "it needs a 'BACKEND' key"
+            what = "it needs a 'BACKEND' key"
         elif not isinstance(entry.get("OPTIONS", {}), dict):
-            problem = "'OPTIONS' must be a dict"
+            what = "'OPTIONS' must be a dict"
         else:
             # Building a channel validates its OPTIONS and never touches the network.
             try:
                 build_channel(entry)
             except ImproperlyConfigured as exc:
-                problem = str(exc).rstrip(".")
-        if problem:
-            errors.append(
-                Error(
-                    Messages.ALERTS.format(index=index, problem=problem),
-                    hint=Hints.ALERTS.format(index=index),
-                    id=Codes.ALERTS,
-                )
-            )
+                what = str(exc).rstrip(".")
+        if what:
+            errors.append(problem("ALERTS", index=index, problem=what))
     return errors
 
 
@@ -404,14 +388,11 @@ def check_unknown_settings(app_configs: Any = None, **kwargs: Any) -> list[Check
         if not name.startswith(PREFIX) or name in known:
             continue
         close = difflib.get_close_matches(name, known, n=1)
-        hint = (
-            Hints.UNKNOWN_SETTING.format(name=name, suggestion=close[0])
-            if close
-            else Hints.UNKNOWN_SETTING_NONE.format(name=name)
-        )
-        errors.append(
-            Warning(Messages.UNKNOWN_SETTING.format(name=name), hint=hint, id=Codes.UNKNOWN_SETTING)
-        )
+        if close:
+            errors.append(problem("UNKNOWN_SETTING", Warning, name=name, suggestion=close[0]))
+        else:
+            hint = Hints.UNKNOWN_SETTING_NONE
+            errors.append(problem("UNKNOWN_SETTING", Warning, hint=hint, name=name))
     return errors
 
 
@@ -420,11 +401,7 @@ def check_sqlite(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
     return [
-        Warning(
-            Messages.SQLITE.format(alias=alias),
-            hint=Hints.SQLITE.format(alias=alias),
-            id=Codes.SQLITE,
-        )
+        problem("SQLITE", Warning, alias=alias)
         for alias in _outbox_aliases(None)
         if connections[alias].vendor == "sqlite"
     ]
@@ -445,13 +422,7 @@ def check_skip_locked(
             server = ("MariaDB " if mysql.mysql_is_mariadb else "MySQL ") + ".".join(
                 str(p) for p in mysql.mysql_version
             )
-            errors.append(
-                Error(
-                    Messages.NO_SKIP_LOCKED.format(alias=alias, server=server),
-                    hint=Hints.NO_SKIP_LOCKED,
-                    id=Codes.NO_SKIP_LOCKED,
-                )
-            )
+            errors.append(problem("NO_SKIP_LOCKED", alias=alias, server=server))
     return errors
 
 
@@ -469,13 +440,7 @@ def check_ordered_isolation(app_configs: Any = None, **kwargs: Any) -> list[Chec
         # default, which is REPEATABLE READ on MySQL and MariaDB.
         level = (db.get("OPTIONS") or {}).get("isolation_level", "read committed")
         if level != "read committed":
-            errors.append(
-                Warning(
-                    Messages.ORDERED_ISOLATION.format(alias=alias, level=level),
-                    hint=Hints.ORDERED_ISOLATION.format(alias=alias),
-                    id=Codes.ORDERED_ISOLATION,
-                )
-            )
+            errors.append(problem("ORDERED_ISOLATION", Warning, alias=alias, level=level))
     return errors
 
 
@@ -486,14 +451,7 @@ def check_message_format(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
     value = outbox_settings.MESSAGE_FORMAT
     if value in FORMATS:
         return []
-    choices = ", ".join(map(repr, FORMATS))
-    return [
-        Error(
-            Messages.MESSAGE_FORMAT.format(choices=choices, value=value),
-            hint=Hints.MESSAGE_FORMAT,
-            id=Codes.MESSAGE_FORMAT,
-        )
-    ]
+    return [problem("MESSAGE_FORMAT", choices=", ".join(map(repr, FORMATS)), value=value)]
 
 
 @register()
@@ -501,13 +459,7 @@ def check_cloudevents_source(app_configs: Any = None, **kwargs: Any) -> list[Che
     source = outbox_settings.CLOUDEVENTS_SOURCE
     if isinstance(source, str) and not any(c.isspace() or not c.isprintable() for c in source):
         return []
-    return [
-        Error(
-            Messages.CLOUDEVENTS_SOURCE.format(value=source),
-            hint=Hints.CLOUDEVENTS_SOURCE,
-            id=Codes.CLOUDEVENTS_SOURCE,
-        )
-    ]
+    return [problem("CLOUDEVENTS_SOURCE", value=source)]
 
 
 @register()
@@ -518,7 +470,7 @@ def check_tracing(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
     if getattr(settings, PREFIX + "TRACING", None) is not True or tracing.AVAILABLE:
         return []
-    return [Error(Messages.TRACING_NO_API, hint=Hints.TRACING_NO_API, id=Codes.TRACING_NO_API)]
+    return [problem("TRACING_NO_API")]
 
 
 # -- several databases -------------------------------------------------------------------------
@@ -555,19 +507,10 @@ def check_outbox_aliases(app_configs: Any = None, **kwargs: Any) -> list[CheckMe
             continue
         seen.add(alias)
         if alias not in known:
+            names = ", ".join(map(repr, known))
             messages.append(
-                Warning(
-                    Messages.UNKNOWN_ALIAS.format(where=where, alias=alias),
-                    hint=Hints.UNKNOWN_ALIAS.format(known=", ".join(map(repr, known)), alias=alias),
-                    id=Codes.UNKNOWN_ALIAS,
-                )
+                problem("UNKNOWN_ALIAS", Warning, where=where, alias=alias, known=names)
             )
         elif not router.allow_migrate_model(alias, OutboxEvent):
-            messages.append(
-                Warning(
-                    Messages.ROUTED_UNMIGRATED.format(why=why, alias=alias),
-                    hint=Hints.ROUTED_UNMIGRATED.format(alias=alias),
-                    id=Codes.ROUTED_UNMIGRATED,
-                )
-            )
+            messages.append(problem("ROUTED_UNMIGRATED", Warning, why=why, alias=alias))
     return messages
