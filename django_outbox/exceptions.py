@@ -31,7 +31,9 @@ class PayloadTooLarge(InvalidEvent):
 
 
 class NotInTransaction(OutboxError):
-    """emit() was called in autocommit mode, outside any atomic block."""
+    """emit() was called in autocommit mode, outside any atomic block, or for an aggregate
+    whose writes go to another database than the event's: either way the event would not
+    commit with the business write."""
 
 
 class DuplicateEventId(OutboxError):

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import IntegrityError, connections, models, transaction
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections, models, router, transaction
 from django.utils import timezone
 
 from . import tracing
@@ -172,7 +172,7 @@ def _short_str(
 
 
 def _aggregate(
-    aggregate: models.Model | None, aggregate_type: str | None, aggregate_id: Any
+    aggregate: models.Model | None, aggregate_type: str | None, aggregate_id: Any, using: str
 ) -> tuple[str, str]:
     if aggregate is not None:
         if not isinstance(aggregate, models.Model):
@@ -185,6 +185,8 @@ def _aggregate(
                 f"The aggregate {aggregate._meta.label} has no primary key yet: save it "
                 "before emitting its event."
             )
+        if aggregate._state.db != using and aggregate._state.db is not None:
+            _check_same_database(aggregate, using)
         if aggregate_type is None:
             aggregate_type = aggregate._meta.label
         if aggregate_id is None:
@@ -192,6 +194,27 @@ def _aggregate(
     return (
         _short_str(aggregate_type, "aggregate_type", 64, required=False),
         _short_str(aggregate_id, "aggregate_id", 64, required=False),
+    )
+
+
+def _check_same_database(aggregate: models.Model, using: str) -> None:
+    """Raise NotInTransaction if ``aggregate``'s writes go to another database than
+    ``using``, the events': two databases are two transactions (a database router that
+    sends the outbox apart from the business models, or ``using=`` on one side only)."""
+    # Where its writes go, not where it was read: a row read from a replica is written to
+    # the primary, with the events (the router decides, as for its save()).
+    written = router.db_for_write(type(aggregate), instance=aggregate)
+    if written == using:
+        return
+    raise NotInTransaction(
+        f"The aggregate {aggregate._meta.label} {aggregate.pk!r} is written to database "
+        f"{written!r}, but this event goes to the outbox of database {using!r}: two "
+        "databases are two transactions, so the event would not commit or roll back with "
+        "the business write. Write both to one database: open the block there, "
+        f"outbox.atomic(using={written!r}) (or emit(..., using={written!r}); run "
+        f"`manage.py migrate django_outbox --database {written}` once), or make your "
+        f"database router send django_outbox's models to {written!r} too "
+        '(docs/writing-events.md, "Several databases").'
     )
 
 
@@ -308,8 +331,10 @@ class EventArgs(NamedTuple):
     delay: timedelta | float | None = None
 
 
-def build_event(args: EventArgs) -> OutboxEvent:
-    """Validate and serialise one event into an unsaved row; raise InvalidEvent if bad."""
+def build_event(args: EventArgs, using: str = DEFAULT_DB_ALIAS) -> OutboxEvent:
+    """Validate and serialise one event into an unsaved row for the outbox of database
+    ``using``; raise InvalidEvent if bad, NotInTransaction if its aggregate's writes go to
+    another database."""
     (
         event_type,
         payload,
@@ -326,7 +351,7 @@ def build_event(args: EventArgs) -> OutboxEvent:
         raise InvalidEvent(f"event_type must be a string, got {type(event_type).__name__}.")
     # The message type and the default routing key.
     event_type = _short_str(event_type, "event_type", 128, required=True, short_string=True)
-    agg_type, agg_id = _aggregate(aggregate, aggregate_type, aggregate_id)
+    agg_type, agg_id = _aggregate(aggregate, aggregate_type, aggregate_id, using)
 
     body, size = _serialise(payload, "payload")
     limit = outbox_settings.MAX_PAYLOAD_BYTES
@@ -505,7 +530,7 @@ class Outbox:
                 "box.emit() was called after its `with outbox.atomic() as box:` block "
                 "ended; emit inside the block so the event commits with the business write."
             )
-        event = build_event(args)
+        event = build_event(args, self.using)
         self.events.append(event)
         return event
 
@@ -529,6 +554,12 @@ def atomic(
     Nested in another atomic block it is a savepoint, exactly like ``transaction.atomic``:
     if it is rolled back, its events go with it. The events are inserted just before the
     block exits, inside it, with one INSERT however many were emitted.
+
+    ``using`` is the database of the block and of its events; by default the router's
+    choice for the outbox (``router.db_for_write(OutboxEvent)``), not ``"default"`` as for
+    ``transaction.atomic``. Only writes to that database are in the block's transaction:
+    ``emit()`` refuses an aggregate whose writes go elsewhere (docs/writing-events.md,
+    "Several databases").
     """
     alias = outbox_db(using)
     box = Outbox(alias)
@@ -565,6 +596,10 @@ def emit(
     INSERT; inside a plain ``transaction.atomic()`` it is inserted at once, so a savepoint
     that rolls back takes it along. Outside any transaction it raises NotInTransaction.
 
+    ``using``: the database whose outbox gets the event and whose transaction must be open;
+    by default the router's choice for the outbox, as for ``atomic()``. An ``aggregate``
+    whose writes go to another database raises NotInTransaction (two transactions).
+
     ``deliver_at`` (an aware datetime under ``USE_TZ``) or ``delay`` (a timedelta or
     seconds), at most one: the event commits now and the relay publishes it no earlier
     than then; ``delay`` counts from the INSERT by the database clock, a ``deliver_at``
@@ -587,6 +622,6 @@ def emit(
     stack = _stack(alias)
     if stack and stack[-1]._is_innermost():
         return stack[-1]._add(args)
-    event = build_event(args)
+    event = build_event(args, alias)
     _insert([event], alias)
     return event

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from django.core.checks import Warning as CheckWarning
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connections
+from django.db import connections, transaction
 from django.test import override_settings
 from django.urls import reverse
 from prometheus_client import CollectorRegistry
@@ -26,9 +27,11 @@ from django_outbox import metrics, outbox, stats
 from django_outbox.backends.locmem import LocmemBackend
 from django_outbox.celery import beat_schedule
 from django_outbox.checks import Codes, check_outbox_aliases
+from django_outbox.exceptions import NotInTransaction
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
 from django_outbox.relay.wake import PostgresNotifyWaker, make_waker
+from orders.models import Order
 from tests.faults.harness import Processes
 from tests.utils.amqp import Broker
 from tests.utils.rows import make_events
@@ -456,3 +459,73 @@ def test_requeue_all_from_the_dashboard_of_another_database(superuser_client):
     assert response["Location"].endswith("?database=other")
     assert statuses("other") == {Status.PENDING: 3}
     assert statuses("default") == {Status.DEAD: 1}
+
+
+# -- what is atomic with what (issue 32, item 1) ---------------------------------------------
+
+
+class OrdersApartRouter(OtherRouter):
+    """The outbox on ``other``, every other model on ``default`` (Django's fallback)."""
+
+
+class ReplicaRouter:
+    """Reads of orders from ``other`` (a replica), every write to ``default``."""
+
+    def db_for_read(self, model, **hints):
+        return "other" if model._meta.app_label == "orders" else None
+
+    def db_for_write(self, model, **hints):
+        return "default"
+
+
+def new_order(using: str = "default") -> Order:
+    return Order.objects.using(using).create(number=uuid.uuid4().hex[:12], user_id=1)
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_emit_refuses_an_aggregate_written_to_another_database_than_the_box():
+    """The router sends the outbox to ``other`` and the orders to ``default``: the block's
+    transaction is on ``other``, so the order would commit on its own. emit() says so and
+    the block rolls back (before the fix the order stayed and no event was written)."""
+    with (
+        override_settings(DATABASE_ROUTERS=[OrdersApartRouter()]),
+        pytest.raises(NotInTransaction) as refused,
+        outbox.atomic() as box,
+    ):
+        order = Order.objects.create(number="APART-1", user_id=1)
+        box.emit("ORDER_CREATED", aggregate=order, payload={})
+    message = str(refused.value)
+    assert "'default'" in message and "'other'" in message
+    assert "outbox.atomic(using='default')" in message
+    assert OutboxEvent.objects.using("other").count() == 0
+    # Its write was never in the block's transaction: it stands, which is why emit() refuses.
+    assert Order.objects.filter(number="APART-1").exists()
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_module_emit_refuses_it_too_and_names_both_aliases():
+    order = new_order("default")
+    with transaction.atomic(using="other"), pytest.raises(NotInTransaction, match="'other'"):
+        outbox.emit("ORDER_PAID", aggregate=order, payload={}, using="other")
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_an_aggregate_of_the_boxs_own_database_is_accepted():
+    """A tenant's rows and its outbox in the same database: one transaction."""
+    with outbox.atomic(using="other") as box:
+        order = new_order("other")
+        box.emit("ORDER_CREATED", aggregate=order, payload={})
+    assert OutboxEvent.objects.using("other").filter(aggregate_id=str(order.pk)).count() == 1
+
+
+@pytest.mark.django_db(transaction=True, databases=BOTH)
+def test_an_aggregate_read_from_a_replica_counts_where_its_writes_go():
+    """Loaded from the replica, its writes go to ``default``, where the outbox is."""
+    written = new_order("default")
+    Order.objects.using("other").create(pk=written.pk, number=written.number, user_id=1)
+    with override_settings(DATABASE_ROUTERS=[ReplicaRouter()]):
+        read = Order.objects.get(pk=written.pk)
+        assert read._state.db == "other"
+        with outbox.atomic() as box:
+            box.emit("ORDER_VIEWED", aggregate=read, payload={})
+    assert OutboxEvent.objects.using("default").filter(event_type="ORDER_VIEWED").count() == 1
