@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any, NamedTuple
 
 from django.conf import settings
@@ -269,6 +270,25 @@ def _check_datetime(value: Any, field: str) -> None:
             "stores naive local times. Pass timezone.make_naive(value) (local time in "
             "TIME_ZONE)."
         )
+    # Only a time within a day of the ends of Python's range can fall outside it in UTC.
+    if not 1 < value.year < 9999:
+        _check_utc_range(value, field)
+
+
+def _check_utc_range(value: datetime, field: str) -> None:
+    """Raise InvalidEvent if ``value`` in UTC is outside years 1-9999: SQLite and
+    MySQL/MariaDB fail converting it (OverflowError), PostgreSQL stores it and every read
+    of the row fails (Python has no year 0 or 10000)."""
+    try:
+        (value if timezone.is_aware(value) else timezone.make_aware(value)).astimezone(
+            dt_timezone.utc
+        )
+    except OverflowError:
+        raise InvalidEvent(
+            f"{field} {value.isoformat()} is outside years 1 to 9999 in UTC, the range "
+            "every database stores and reads back. Pass a time from 0001-01-01 to "
+            "9999-12-31 in UTC."
+        ) from None
 
 
 def _schedule(deliver_at: Any, delay: Any) -> dict[str, Any]:

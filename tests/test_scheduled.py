@@ -247,6 +247,15 @@ BAD_SCHEDULES = [
     ({"delay": float("inf")}, "finite"),
     ({"delay": timedelta(days=40_000)}, "longer than the outbox schedules"),
     ({"delay": 1e300}, "longer than the outbox schedules"),
+    # Within Python's range as given, outside it in UTC (issue 32, item 6).
+    (
+        {"deliver_at": datetime(9999, 12, 31, 23, tzinfo=dt_timezone(-timedelta(hours=5)))},
+        "outside years 1 to 9999 in UTC",
+    ),
+    (
+        {"deliver_at": datetime(1, 1, 1, tzinfo=dt_timezone(timedelta(hours=14)))},
+        "outside years 1 to 9999 in UTC",
+    ),
 ]
 
 
@@ -273,6 +282,20 @@ def test_deliver_at_that_does_not_match_use_tz_is_refused(settings, use_tz, when
         outbox.emit("REMIND", payload={}, deliver_at=when)
     assert not Widget.objects.exists()
     assert not OutboxEvent.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "when",
+    [
+        datetime(9999, 12, 31, 18, 59, tzinfo=dt_timezone(-timedelta(hours=5))),
+        datetime(1, 1, 1, 23, tzinfo=dt_timezone(timedelta(hours=14))),
+    ],
+)
+def test_deliver_at_at_the_ends_of_the_utc_range_is_stored_and_read_back(when):
+    with outbox.atomic() as box:
+        box.emit("REMIND", payload={}, deliver_at=when)
+    row = OutboxEvent.objects.get()
+    assert row.due_at == max(when, row.created_at)
 
 
 def test_schedule_arguments_are_keyword_only():
