@@ -215,15 +215,44 @@ def capture(event: OutboxEvent) -> None:
             span.end()
         else:
             propagate.inject(carrier)
-        for name, value in carrier.items():
-            if isinstance(value, str) and not is_reserved_header(name):
-                headers.setdefault(name, value)
+        fields = {
+            name: value
+            for name, value in carrier.items()
+            if isinstance(value, str) and not is_reserved_header(name)
+        }
+        for name, value in fields.items():
+            _check_storable(name, value)
+        for name, value in fields.items():
+            headers.setdefault(name, value)
     except Exception:
         logger.warning(
             "could not capture the trace context of event %s; emitted without it",
             event.event_id,
             exc_info=True,
         )
+
+
+#: The longest header name AMQP carries (a short string), in bytes of UTF-8.
+_MAX_HEADER_NAME = 255
+
+
+def _check_storable(name: str, value: str) -> None:
+    """Raise ValueError for a propagator's field that some database or the broker cannot
+    carry: a NUL (PostgreSQL's JSON refuses it, and the failed INSERT would roll the
+    caller's transaction back), a lone surrogate (not UTF-8), a name longer than an AMQP
+    header's. emit() checked the caller's own headers; these are added after."""
+    for text in (name, value):
+        if "\x00" in text:
+            raise ValueError(f"the propagator's field {name[:40]!r} contains a NUL")
+        if not text.isascii():
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"the propagator's field {name[:40]!r} contains a lone surrogate"
+                ) from None
+    if len(name.encode()) > _MAX_HEADER_NAME:
+        raise ValueError(f"the propagator's field {name[:40]!r}... has a name over 255 bytes")
 
 
 def _create_span(event: OutboxEvent, config: _Settings) -> Span:

@@ -182,6 +182,44 @@ def test_a_failing_propagator_never_fails_emit(spans, monkeypatch, caplog):
     assert "could not capture the trace context" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("baggage", "a\x00b"), ("baggage", "a\udc80b"), ("x\x00y", "1"), ("k" * 256, "1")],
+    ids=["nul", "lone-surrogate", "nul-in-name", "name-over-255-bytes"],
+)
+def test_a_context_no_database_or_broker_can_carry_is_dropped_with_a_warning(
+    spans, caplog, name, value
+):
+    """A propagator's field with a NUL (PostgreSQL refuses it: the INSERT failed and the
+    business transaction rolled back), a lone surrogate (not UTF-8) or a name longer than
+    an AMQP header's: the whole context is dropped, as when the propagator raises, and the
+    event goes out without it, on every database."""
+
+    class Hostile(propagate.textmap.TextMapPropagator):
+        def inject(self, carrier, context=None, setter=propagate.textmap.default_setter):
+            setter.set(carrier, name, value)
+
+        def extract(self, carrier, context=None, getter=None):
+            return context
+
+        @property
+        def fields(self):
+            return {name}
+
+    previous = propagate.get_global_textmap()
+    propagate.set_global_textmap(propagate.composite.CompositePropagator([previous, Hostile()]))
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="django_outbox.tracing"),
+            tracer().start_as_current_span("POST /orders"),
+        ):
+            event = emit_order()
+    finally:
+        propagate.set_global_textmap(previous)
+    assert stored_headers(event) == {}
+    assert "could not capture the trace context" in caplog.text
+
+
 # -- the relay -------------------------------------------------------------------------------
 def test_the_publish_span_covers_the_time_in_the_outbox_until_the_confirm(spans):
     with tracer().start_as_current_span("POST /orders"):
