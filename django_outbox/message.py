@@ -437,12 +437,14 @@ def _decode_binary(
     plain: dict[str, Any] = {}
     for name, value in headers.items():
         if isinstance(name, str) and name.startswith(CLOUDEVENTS_READ_PREFIXES):
-            # One prefix per message (the binding says so); others are the sender's own.
+            # One prefix per message (the binding says so); others are the sender's own,
+            # unless they give an attribute another value (_check_agree).
             if name.startswith(prefix):
                 attributes[name[len(prefix) :]] = value
             continue
         plain[name] = value
     shown = attributes.get("id") or message_id
+    _check_agree(attributes, prefix, headers, shown)
     # The AMQP content type is the datacontenttype; none means JSON, as for native messages.
     if content_type and not _is_json(content_type):
         raise UndecodableMessage(
@@ -482,7 +484,20 @@ def _decode_structured(
             f"consumer reads {CONTENT_TYPE} data only"
         )
     attributes = {k: v for k, v in envelope.items() if k not in ("data", "data_base64")}
-    if "data_base64" in envelope:
+    time = attributes.get("time")
+    if time is not None and not isinstance(time, str):
+        # The JSON event format writes a Timestamp as a string, and nothing else.
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)}: time is {_shown(time)}, a JSON "
+            f"{_json_type(time)}; the JSON event format writes it as an RFC 3339 string"
+        )
+    if envelope.get("data") is not None and envelope.get("data_base64") is not None:
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)} has both data and data_base64; the JSON event "
+            "format allows one of them"
+        )
+    _check_agree(attributes, "", headers or {}, shown)
+    if envelope.get("data_base64") is not None:
         try:
             data = base64.b64decode(envelope["data_base64"], validate=True)
         except (TypeError, ValueError, binascii.Error) as exc:
@@ -498,6 +513,56 @@ def _decode_structured(
         if not str(k).startswith(CLOUDEVENTS_HEADER_PREFIXES)
     }
     return _cloudevent(attributes, payload, plain, redelivered, CLOUDEVENTS_STRUCTURED, "")
+
+
+def _check_agree(
+    attributes: Mapping[str, Any], prefix: str, headers: Mapping[str, Any], shown: Any
+) -> None:
+    """Raise :class:`UndecodableMessage` if a header under any CloudEvents prefix gives one
+    of ``attributes`` (read from the headers under ``prefix``, or from the body when
+    ``prefix`` is empty) another value: the message would carry two events, two ids to
+    de-duplicate on or two types to dispatch on, and which one is meant is a guess."""
+    for name, value in headers.items():
+        attribute = _unprefixed(name)
+        ours = attributes.get(attribute) if attribute else None
+        if ours is None or value is None or _agree(attribute, ours, value):
+            continue
+        where = f"header {prefix}{attribute}" if prefix else "the body"
+        raise UndecodableMessage(
+            f"CloudEvent {_shown(shown)}: {attribute} is {_shown(ours)} in {where} and "
+            f"{_shown(value)} in header {name}; a message carries one event"
+        )
+
+
+def _unprefixed(name: Any) -> str:
+    """The attribute a header names under a CloudEvents prefix; ``""`` for another header."""
+    if isinstance(name, str):
+        for prefix in CLOUDEVENTS_READ_PREFIXES:
+            if name.startswith(prefix):
+                return name[len(prefix) :]
+    return ""
+
+
+def _agree(attribute: str, one: Any, other: Any) -> bool:
+    one, other = (v.decode(errors="replace") if isinstance(v, bytes) else v for v in (one, other))
+    if one == other:
+        return True
+    if attribute != "time":
+        return False
+    try:  # the same moment written two ways (RFC 3339 text, an AMQP timestamp)
+        moments = [_time(v, "") for v in (one, other)]
+    except UndecodableMessage:
+        return False
+    # pika reads an AMQP timestamp as a naive datetime in UTC.
+    return len({m.replace(tzinfo=m.tzinfo or timezone.utc) for m in moments if m}) == 1
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "array" if isinstance(value, list) else "object"
 
 
 def _json_data(data: bytes, shown: Any, what: str) -> Any:

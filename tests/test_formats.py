@@ -362,6 +362,82 @@ def test_a_message_in_neither_format_is_undecodable_with_the_reason(
     assert reason in str(info.value)
 
 
+STRUCTURED = {"specversion": "1.0", "id": "s-1", "source": "/x", "type": "T"}
+
+
+@pytest.mark.parametrize(
+    ("headers", "envelope", "reason"),
+    [
+        (
+            {},
+            {**STRUCTURED, "data": {"n": 1}, "data_base64": "eyJuIjogMn0="},
+            "CloudEvent 's-1' has both data and data_base64; the JSON event format allows "
+            "one of them",
+        ),
+        (
+            {},
+            {**STRUCTURED, "time": 1779006615000},
+            "CloudEvent 's-1': time is 1779006615000, a JSON number; the JSON event format "
+            "writes it as an RFC 3339 string",
+        ),
+        (
+            {},
+            {**STRUCTURED, "time": {"seconds": 1}},
+            "time is {'seconds': 1}, a JSON object",
+        ),
+        (
+            {"cloudEvents:id": "s-2"},
+            STRUCTURED,
+            "CloudEvent 's-1': id is 's-1' in the body and 's-2' in header cloudEvents:id; a "
+            "message carries one event",
+        ),
+    ],
+    ids=["data-and-data_base64", "time-number", "time-object", "header-id-differs"],
+)
+def test_what_the_json_event_format_forbids_is_undecodable(headers, envelope, reason):
+    """Accepted before (issue 32, item 7): the payload taken from data, the number read as
+    milliseconds, the body's id de-duplicated on."""
+    body = json.dumps(envelope).encode()
+    with pytest.raises(UndecodableMessage) as info:
+        received(body, headers, content_type="application/cloudevents+json")
+    assert reason in str(info.value)
+
+
+@pytest.mark.parametrize("other", ["cloudEvents_id", "ce-id"])
+def test_binary_mode_ids_that_differ_between_prefixes_are_undecodable(other):
+    headers = {**BINARY, other: "e-2"}
+    with pytest.raises(UndecodableMessage) as info:
+        received(b"{}", headers, content_type="application/json")
+    assert str(info.value) == (
+        f"CloudEvent 'e-1': id is 'e-1' in header cloudEvents:id and 'e-2' in header {other}; "
+        "a message carries one event"
+    )
+
+
+def test_the_same_attributes_under_two_prefixes_are_read_once():
+    """A bridge that adds the other binding's headers with the same values: one event. The
+    time may be written two ways (text, an AMQP timestamp) for the same moment."""
+    headers = {
+        **BINARY,
+        "cloudEvents:time": "2026-05-17T08:30:15+00:00",
+        "cloudEvents_id": b"e-1",
+        "ce-id": "e-1",
+        "ce-type": "T",
+        "ce-time": datetime(2026, 5, 17, 8, 30, 15),
+        "ce-tenant": "only-here",
+    }
+    event = received(b"{}", headers, content_type="application/json")
+    assert (event.event_id, event.event_type) == ("e-1", "T")
+    assert "tenant" not in event.cloudevent
+    structured = {**STRUCTURED, "data": None, "data_base64": "eyJuIjogMX0="}
+    event = received(
+        json.dumps(structured).encode(),
+        {"cloudEvents:id": "s-1"},
+        content_type="application/cloudevents+json",
+    )
+    assert event.payload == {"n": 1}
+
+
 def test_a_time_in_milliseconds_out_of_range_is_undecodable():
     headers = {**BINARY, "cloudEvents:time": 10**20}
     with pytest.raises(UndecodableMessage, match="not an RFC 3339 timestamp"):
