@@ -47,6 +47,8 @@ class Codes:
     # Inbox retention (purge_outbox):
     INBOX_RETENTION = "django_outbox.E024"
     INBOX_RETENTION_SHORT = "django_outbox.E025"
+    # Reported by backends.pika.PikaBackend.check() for each URL:
+    BROKER_URL_ENCODING = "django_outbox.E026"
     # Several databases:
     ROUTED_UNMIGRATED = "django_outbox.W001"
     UNKNOWN_ALIAS = "django_outbox.W002"
@@ -83,6 +85,12 @@ class Messages:
     BROKER_VHOSTS = (
         "The URLs of OUTBOX_BROKER_URL name different virtual hosts ({vhosts}): after a "
         "failover the relay would publish to another vhost, where no consumer reads."
+    )
+    BROKER_URL_ENCODING = (
+        "{which} would connect to a host, port and vhost read from its password: the "
+        "password holds a '/', '?' or '#' that is not percent-encoded, which ends the host "
+        "part early for pika as for any URL parser (or the vhost or query holds an "
+        "unencoded '@', which reads the same way)."
     )
     MESSAGE_FORMAT = "OUTBOX_MESSAGE_FORMAT must be one of {choices}, got {value!r}."
     CLOUDEVENTS_SOURCE = (
@@ -155,6 +163,11 @@ class Hints:
     BROKER_VHOSTS = (
         "Give every URL the same vhost (the nodes of one cluster share them), e.g. /%2F on "
         "each for the vhost '/'."
+    )
+    BROKER_URL_ENCODING = (
+        "Percent-encode the password: urllib.parse.quote(password, safe='') writes '/' as "
+        "%2F, '?' as %3F, '#' as %23 and '@' as %40, e.g. 'amqp://user:' + "
+        "quote(password, safe='') + '@rabbitmq:5672/%2F'."
     )
     MESSAGE_FORMAT = (
         "Set OUTBOX_MESSAGE_FORMAT = 'native' (the default), 'cloudevents' (CloudEvents "

@@ -20,16 +20,18 @@ def split_urls(text: str) -> list[str]:
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ``***``; everything else is kept.
+    """The URL with its password replaced by ``***``, as a client reads it.
 
     ``amqp://app:s3cret@rabbitmq:5672/%2F`` becomes ``amqp://app:***@rabbitmq:5672/%2F``.
     Works for any ``scheme://user:password@host`` URL (AMQP, PostgreSQL, MySQL, Redis), and
     for several URLs joined by ``;`` (each is masked, see :func:`split_urls`).
 
-    The credentials are everything before the last ``@``, not what ``urlsplit`` calls the
-    netloc: a password with an unescaped ``/``, ``?`` or ``#`` (``amqp://u:2024/pw@h/``)
-    ends the netloc early, and would be printed whole. Where that rule masks more than the
-    password (an ``@`` in the path or query), it hides, never shows.
+    A password with an unencoded ``/``, ``?`` or ``#`` (``amqp://u:2024/pw@h/``) ends the
+    host part early for every client that parses URLs as RFC 3986 says (``urlsplit``,
+    ``pika.URLParameters``): it then connects to a host, port and vhost read from the
+    password (``u``, port 2024). Such a URL is shown as ``amqp://u:***@***``: what the text
+    after the last ``@`` suggests is not what was tried, and what was tried is the
+    password's (:func:`password_overruns`; ``manage.py check`` reports it, E026).
     """
     if not url:
         return url
@@ -44,7 +46,33 @@ def mask_url(url: str) -> str:
     user, has_password, _ = rest[:at].partition(":")
     if not has_password:
         return url
+    if password_overruns(url):
+        return f"{scheme}{sep}{user}:{MASK}@{MASK}"
     return f"{scheme}{sep}{user}:{MASK}{rest[at:]}"
+
+
+#: Where the host part (RFC 3986's authority) of a URL ends: its first "/", "?" or "#".
+_AUTHORITY_END = re.compile(r"[/?#]")
+
+
+def _host_end(rest: str) -> int:
+    """Where the authority of ``rest`` (a URL after its ``scheme://``) ends."""
+    end = _AUTHORITY_END.search(rest)
+    return len(rest) if end is None else end.start()
+
+
+def password_overruns(url: str) -> bool:
+    """Whether a client would read the host, port or path of ``url`` from its password.
+
+    True when an ``@`` with a password before it comes after the host part has ended:
+    the password holds an unencoded ``/``, ``?`` or ``#``, and the client (``urlsplit``,
+    ``pika.URLParameters``) takes the text after it for the host, port and vhost (or the
+    vhost or query holds an unencoded ``@``, which reads the same way). Percent-encoding
+    the password (``urllib.parse.quote(password, safe="")``) makes the URL say one thing.
+    """
+    _, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    return bool(sep) and at >= 0 and ":" in rest[:at] and _host_end(rest) < at
 
 
 #: What looks like a URL inside a longer text (an exception's message, a log line).

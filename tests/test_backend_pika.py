@@ -10,7 +10,9 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import quote
 
+import pika
 import pytest
 from django.core import checks
 from django.test import override_settings
@@ -439,9 +441,13 @@ def test_check_prefers_the_backend_option() -> None:
         ("postgres://u:pw@db/app", "postgres://u:***@db/app"),
         ("amqp://u:pw@rabbit:notaport/", "amqp://u:***@rabbit:notaport/"),
         ("", ""),
-        # A password with an unescaped "/", "?" or "#": urlsplit's netloc ends before it.
-        ("amqp://u:2024/pw@h:5672/v", "amqp://u:***@h:5672/v"),
-        ("amqp://u:p?w#x@h/v", "amqp://u:***@h/v"),
+        # A password with an unescaped "/", "?" or "#": the host part ends inside it, and
+        # pika tries a host (and port, vhost) read from the password, shown masked.
+        ("amqp://u:2024/pw@h:5672/v", "amqp://u:***@***"),
+        ("amqp://u:p?w#x@h/v", "amqp://u:***@***"),
+        ("amqp://adv2_u:Se;Cr@t/x:y%z@127.0.0.1:5672/adv2", "amqp://adv2_u:***@***"),
+        # An unescaped "@" in the password is read as every URL parser reads it.
+        ("amqp://u:p@ss@h:5672/v", "amqp://u:***@h:5672/v"),
         ("u:pw@host:5672", "u:***@host:5672"),  # no scheme
     ],
 )
@@ -581,6 +587,52 @@ def test_check_reports_a_broker_url_of_another_type(value: object) -> None:
     assert error.id == Codes.BROKER_URL_FORM == "django_outbox.E016"
     assert "a list of AMQP URLs" in error.msg
     assert "amqp://user:password@rabbit-1:5672/%2F" in error.hint
+
+
+UNENCODED = "amqp://adv2_u:Se;Cr@t/x:y%z@127.0.0.1:5672/adv2"  # password Se;Cr@t/x:y%z
+
+
+@pytest.mark.parametrize(
+    "url",
+    [UNENCODED, "amqp://u:2024/pw@rabbit:5672/%2F", "amqp://u:p?w#x@rabbit/%2F"],
+)
+def test_check_reports_a_password_that_is_not_percent_encoded(url: str) -> None:
+    """pika connects to host 't', vhost 'x:y%z@127.0.0.1:5672' for the first URL (the check
+    passed before, and the logs named 127.0.0.1); E026 says to percent-encode, and no check
+    message holds a piece of the password."""
+    with override_settings(OUTBOX_BROKER_URL=url, OUTBOX_BACKEND_OPTIONS={}):
+        [error] = PikaBackend.check()
+    assert error.id == Codes.BROKER_URL_ENCODING == "django_outbox.E026"
+    assert "read from its password" in error.msg
+    assert "quote(password, safe='')" in error.hint
+    password = url.split("://")[1].split(":", 1)[1].rpartition("@")[0]
+    assert_no_piece_of(password, f"{error.msg} {error.hint}")
+
+
+def test_an_unencoded_password_leaks_into_no_message_of_a_list_of_urls() -> None:
+    """With two URLs, E017 printed ('x:y%z@127.0.0.1:5672', 'adv2'): the vhost pika read."""
+    good = "amqp://adv2_u:pw@127.0.0.1:5672/adv2"
+    with override_settings(OUTBOX_BROKER_URL=[UNENCODED, good], OUTBOX_BACKEND_OPTIONS={}):
+        errors = PikaBackend.check()
+    assert [e.id for e in errors] == [Codes.BROKER_URL_ENCODING]
+    assert "entry 1 of 2, 'amqp://adv2_u:***@***'," in errors[0].msg
+    assert_no_piece_of("Se;Cr@t/x:y%z", " ".join(f"{e.msg} {e.hint}" for e in errors))
+
+
+def test_a_percent_encoded_password_passes_and_is_what_pika_reads() -> None:
+    encoded = "amqp://adv2_u:" + quote("Se;Cr@t/x:y%z", safe="") + "@127.0.0.1:5672/adv2"
+    with override_settings(OUTBOX_BROKER_URL=encoded, OUTBOX_BACKEND_OPTIONS={}):
+        assert PikaBackend.check() == []
+    params = pika.URLParameters(encoded)
+    assert (params.host, params.port, params.virtual_host) == ("127.0.0.1", 5672, "adv2")
+    assert params.credentials.password == "Se;Cr@t/x:y%z"
+    assert mask_url(encoded) == "amqp://adv2_u:***@127.0.0.1:5672/adv2"
+
+
+def assert_no_piece_of(password: str, text: str) -> None:
+    """No run of three characters of ``password`` in ``text``."""
+    pieces = {password[i : i + 3] for i in range(len(password) - 2)}
+    assert [p for p in pieces if p in text] == [], text
 
 
 def test_check_reports_urls_that_name_different_vhosts() -> None:

@@ -43,7 +43,7 @@ from .._compat.pika import (
     connection_failure,
 )
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
-from ..masking import mask_url, mask_urls_in
+from ..masking import mask_url, mask_urls_in, password_overruns
 from ..worker import BrokerNodes
 from . import bindings
 from .base import (
@@ -142,7 +142,7 @@ class PikaBackend(AmqpBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, Hints, Messages, broker_url_missing
+        from ..checks import Codes, Hints, Messages, broker_url_missing, problem
 
         options = outbox_settings.BACKEND_OPTIONS or {}
         value = options.get("broker_url") or outbox_settings.BROKER_URL
@@ -158,11 +158,15 @@ class PikaBackend(AmqpBackend):
             which = f"OUTBOX_BROKER_URL {mask_url(url)!r}"
             if len(urls) > 1:
                 which = f"OUTBOX_BROKER_URL entry {number} of {len(urls)}, {mask_url(url)!r},"
-            problem, vhost = _url_problem(url)
-            if problem:
+            if password_overruns(url):
+                # Before pika parses it: its errors would quote pieces of the password.
+                errors.append(problem("BROKER_URL_ENCODING", which=which))
+                continue
+            what, vhost = _url_problem(url)
+            if what:
                 errors.append(
                     Error(
-                        f"{which} {problem}.",
+                        f"{which} {what}.",
                         hint="Use the AMQP URL of RabbitMQ, e.g. "
                         "'amqp://user:password@rabbitmq:5672/%2F' (amqps:// for TLS; the "
                         "vhost '/' is written %2F).",
