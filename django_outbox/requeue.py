@@ -4,9 +4,13 @@ Used by ``manage.py outbox_requeue`` and by the admin dashboard's "requeue all N
 so both select and change rows the same way. A selection names one status:
 
 - DEAD (the default): *redrive* dead letters once their cause is fixed;
-- PENDING: make rows waiting in retry backoff due now (rows a relay is publishing right
-  now are left out: requeueing them would publish them twice; so are scheduled events
-  not due yet, which are not late);
+- PENDING: make rows waiting in retry backoff due now: attempted at least once and due
+  later than now (:func:`waiting_to_retry`). Every other PENDING row is left alone and
+  counted: a row due already (never attempted, or its backoff over) is not late because
+  of a backoff, and requeueing it would only reset its age, the figure that says the relay
+  is down; a row a relay is publishing right now would be published twice; a scheduled
+  event not due yet is not late; in ordered mode a row waiting behind an earlier event of
+  its aggregate goes out after it whatever its due time;
 - SENT: *replay* events already delivered, for a consumer that lost its data. They keep
   their ``event_id`` and carry the ``x-outbox-replay`` header (how many times).
 
@@ -23,8 +27,11 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db.models import Count, Q
 from django.utils import timezone
 
+from . import ordering
+from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
 from .querysets import OutboxEventQuerySet, scheduled_q
 from .stats import db_now
@@ -95,12 +102,14 @@ class Selection:
 
     def queryset(self, using: str | None = None) -> OutboxEventQuerySet:
         """The selected rows (call :meth:`resolved` first if ``since``/``until`` may be
-        durations)."""
+        durations). PENDING: only those :func:`waiting_to_retry` (in ordered mode this
+        reads which rows wait behind an earlier event now, see there)."""
+        rows = self.matching(using)
+        return waiting_to_retry(rows) if self.status == Status.PENDING else rows
+
+    def matching(self, using: str | None = None) -> OutboxEventQuerySet:
+        """Every row of the status that the other filters match, whatever it waits for."""
         rows = OutboxEvent.objects.using(outbox_db(using)).filter(status=self.status)
-        if self.status == Status.PENDING:
-            # Scheduled events not due yet are waiting on purpose, not in a backoff: a
-            # redrive would send them early.
-            rows = rows.exclude_in_flight().exclude(scheduled_q())
         if self.event_types:
             rows = rows.filter(event_type__in=self.event_types)
         if self.aggregate_type is not None:
@@ -134,6 +143,59 @@ class Selection:
         return ", ".join(parts) or "no other filter"
 
 
+def waiting_to_retry(rows: OutboxEventQuerySet) -> OutboxEventQuerySet:
+    """The PENDING rows of ``rows`` that wait in a retry backoff: attempted at least once,
+    due later than now by the database clock, held by no relay, not scheduled for later
+    and, in ordered mode, not waiting behind an earlier event of their aggregate.
+
+    That last part is read now, as a list of ids to leave out: the claim's filter for it
+    (:func:`django_outbox.ordering.heads_only`) reads the outbox table in a subquery, which
+    MySQL refuses in an UPDATE of that table. Rows in a backoff are few (an outage of the
+    broker counts no attempt), and a row that falls behind one after this read waits all
+    the same: the claim takes heads only.
+    """
+    rows = (
+        rows.filter(status=Status.PENDING, retry_count__gt=0, next_retry_time__gt=DbNow())
+        .exclude_in_flight()
+        .exclude(scheduled_q())
+    )
+    behind = _behind_a_head(rows)
+    return rows.exclude(pk__in=behind) if behind else rows
+
+
+def _behind_a_head(rows: OutboxEventQuerySet) -> list[int]:
+    """The ids of the ordered rows of ``rows`` that are not their aggregate's head."""
+    if ordering.ordered_q(ordering.current_ordered()) is None:
+        return []
+    heads = set(ordering.heads_only(rows).values_list("pk", flat=True))
+    return [pk for pk in rows.values_list("pk", flat=True) if pk not in heads]
+
+
+#: Why a PENDING row is left alone, in the order the summary names them.
+LEFT_ALONE = {
+    "due": "due already (a relay takes them when one runs)",
+    "in_flight": "being published by a relay",
+    "scheduled": "scheduled for later",
+    "behind": "waiting behind an earlier event of their aggregate",
+}
+
+
+def _left_alone(selection: Selection, using: str, matched: int) -> dict[str, int]:
+    """How many PENDING rows the filters match that ``selection`` leaves alone, and why."""
+    leased = Q(leased_until__gt=DbNow())
+    scheduled = Q(due_at__gt=DbNow())
+    counts = selection.matching(using).aggregate(
+        total=Count("pk"),
+        in_flight=Count("pk", filter=leased),
+        scheduled=Count("pk", filter=scheduled & ~leased),
+        due=Count("pk", filter=Q(next_retry_time__lte=DbNow()) & ~leased & ~scheduled),
+    )
+    total = counts.pop("total")
+    # The rest waits in a backoff behind an earlier event (the counts are a moment apart).
+    counts["behind"] = max(0, total - matched - sum(counts.values()))
+    return {reason: counts[reason] for reason in LEFT_ALONE if counts[reason]}
+
+
 @dataclass
 class RequeueResult:
     """What one run did (or, on a dry run, would do)."""
@@ -148,11 +210,30 @@ class RequeueResult:
     limit: int | None = None
     #: A dry run's first rows, oldest first (at most SAMPLE_SIZE).
     sample: list[OutboxEvent] = field(default_factory=list)
+    #: PENDING selections: the rows the filters match that wait for something else than a
+    #: retry, by reason (a key of LEFT_ALONE); reasons with no row are left out.
+    left_alone: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
+        return self._summary() + self._left_alone_note()
+
+    def _left_alone_note(self) -> str:
+        if not self.left_alone:
+            return ""
+        reasons = ", ".join(f"{n} {LEFT_ALONE[reason]}" for reason, n in self.left_alone.items())
+        return (
+            f"; left alone {sum(self.left_alone.values())} pending event(s) not waiting "
+            f"to retry: {reasons}"
+        )
+
+    def _summary(self) -> str:
         status = Status(self.selection.status).name.lower()
         filters = self.selection.describe()
         if not self.matched:
+            if self.selection.status == Status.PENDING:
+                return (
+                    f"outbox_requeue: no pending event waits to retry ({filters}); nothing changed"
+                )
             return f"outbox_requeue: no {status} event matches ({filters}); nothing changed"
         verb, done = ("replay", "replayed") if self.selection.replay else ("requeue", "requeued")
         limited = (
@@ -208,6 +289,8 @@ def requeue(
     rows = selection.queryset(db)
     matched = rows.count()
     result = RequeueResult(selection=selection, matched=matched, dry_run=dry_run, limit=limit)
+    if selection.status == Status.PENDING:  # counted before the rows change
+        result.left_alone = _left_alone(selection, db, matched)
     if dry_run:
         result.changed = matched if limit is None else min(matched, limit)
         result.sample = list(rows.order_by("pk")[: min(SAMPLE_SIZE, result.changed)])

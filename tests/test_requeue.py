@@ -20,7 +20,7 @@ from django_outbox.consumer import Dispatcher, Outcome, process_messages
 from django_outbox.message import REPLAY_HEADER, decode
 from django_outbox.models import InboxMessage, OutboxEvent, Status
 from django_outbox.requeue import Selection, requeue
-from django_outbox.stats import db_now
+from django_outbox.stats import db_now, gauges
 from points.models import PointsLedger
 from tests.utils.amqp import make_consumer
 from tests.utils.relay import make_relay
@@ -162,7 +162,7 @@ def test_dead_by_default_and_each_filter_narrows():
         {"status": Status.DEAD, "event_type": "B", "last_error": "[nacked] full"},
         {"status": Status.DEAD, "event_type": "A", "aggregate_type": "X", "aggregate_id": "9"},
         {"status": Status.DEAD, "event_type": "A", "age": 3 * DAY},
-        {"status": Status.PENDING, "event_type": "A", "due_age": -600},
+        {"status": Status.PENDING, "event_type": "A", "retry_count": 1, "due_age": -600},
         {"status": Status.SENT, "event_type": "A"},
     )
 
@@ -248,6 +248,72 @@ def test_pending_requeue_makes_backoff_due_and_leaves_rows_in_flight_alone():
     assert states(backoff) == [(Status.PENDING, 0, 0)]
     assert OutboxEvent.objects.due().filter(pk=backoff.pk).exists()
     assert OutboxEvent.objects.get(pk=held.pk).lease_token != ""
+
+
+def test_pending_requeue_during_a_relay_outage_takes_only_rows_waiting_to_retry():
+    """The relay is down: a backlog never attempted, one row whose backoff is over, one a
+    relay (since frozen) holds, one scheduled for tomorrow, and two in a backoff. Before the
+    fix every due row was "requeued" too, its due time reset: the oldest PENDING age fell to
+    0 with nothing sent, silencing the age alert and the admin banner."""
+    backlog = make_events(*[{"age": 3600} for _ in range(20)])
+    due_again, held, scheduled, *backoff = make_events(
+        {"retry_count": 2, "age": 3000, "due_age": 60},
+        {"age": 1800},
+        {"due_age": -DAY, "due_at": db_now() + timedelta(days=1)},
+        {"retry_count": 1, "age": 2400, "due_age": -30},
+        {"retry_count": 4, "age": 2400, "due_age": -900},
+    )
+    OutboxEvent.objects.filter(pk=held.pk).claim(1, lease_seconds=600)
+    due_times = dict(OutboxEvent.objects.values_list("pk", "next_retry_time"))
+    age = gauges().oldest_pending_age
+    assert age >= 3600
+
+    out = run("--status", "pending")
+
+    assert out.strip() == (
+        "outbox_requeue: requeued 2 pending event(s) (no other filter) in 1 batch(es): due "
+        "now, retry_count 0; left alone 23 pending event(s) not waiting to retry: 21 due "
+        "already (a relay takes them when one runs), 1 being published by a relay, 1 "
+        "scheduled for later"
+    )
+    assert states(*backoff) == [(Status.PENDING, 0, 0)] * 2
+    after = dict(OutboxEvent.objects.values_list("pk", "next_retry_time"))
+    for row in [*backlog, due_again, held, scheduled]:
+        assert after[row.pk] == due_times[row.pk]
+    assert OutboxEvent.objects.get(pk=due_again.pk).retry_count == 2
+    assert gauges().oldest_pending_age >= age  # the alert still fires
+
+    assert run("--status", "pending").strip() == (
+        "outbox_requeue: no pending event waits to retry (no other filter); nothing changed; "
+        "left alone 25 pending event(s) not waiting to retry: 23 due already (a relay takes "
+        "them when one runs), 1 being published by a relay, 1 scheduled for later"
+    )
+
+
+def test_pending_requeue_leaves_a_row_waiting_behind_its_aggregates_head(settings):
+    """Ordered mode: aggregate A's head is scheduled for tomorrow, and a retried event of A
+    waits behind it (its predecessor was replayed, say); requeued, it would still wait.
+    Aggregate B's event in a backoff is its own head: requeued."""
+    settings.OUTBOX_ORDERED = True
+    head, behind, alone = make_events(
+        {"aggregate_id": "A", "due_age": -DAY, "due_at": db_now() + timedelta(days=1)},
+        {"aggregate_id": "A", "retry_count": 1, "due_age": -600},
+        {"aggregate_id": "B", "retry_count": 1, "due_age": -600},
+    )
+    dry = run("--status", "pending", "--dry-run")
+    assert dry.splitlines()[0] == (
+        "outbox_requeue: would requeue 1 pending event(s) (no other filter); dry run, nothing "
+        "changed; left alone 2 pending event(s) not waiting to retry: 1 scheduled for later, "
+        "1 waiting behind an earlier event of their aggregate"
+    )
+    assert f"id={alone.pk} " in dry and f"id={behind.pk} " not in dry
+    out = run("--status", "pending")
+    assert "requeued 1 pending event(s)" in out
+    assert states(head, behind, alone) == [
+        (Status.PENDING, 0, 0),
+        (Status.PENDING, 1, 0),
+        (Status.PENDING, 0, 0),
+    ]
 
 
 def test_a_replay_says_what_consumers_do_with_it():

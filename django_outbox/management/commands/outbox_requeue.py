@@ -29,8 +29,9 @@ class Command(DatabaseCommand):
             "--status",
             choices=sorted(STATUSES),
             default="dead",
-            help="Which events: dead (default), pending (in retry backoff; not those a "
-            "relay is publishing now) or sent (a replay: only when named).",
+            help="Which events: dead (default), pending (in retry backoff: attempted and "
+            "due later; the others are left alone and counted) or sent (a replay: only "
+            "when named).",
         )
         parser.add_argument(
             "--event-type",
