@@ -355,25 +355,14 @@ def build_event(args: EventArgs, using: str = DEFAULT_DB_ALIAS) -> OutboxEvent:
     """Validate and serialise one event into an unsaved row for the outbox of database
     ``using``; raise InvalidEvent if bad, NotInTransaction if its aggregate's writes go to
     another database."""
-    (
-        event_type,
-        payload,
-        aggregate,
-        aggregate_type,
-        aggregate_id,
-        event_id,
-        headers,
-        occurred_at,
-        deliver_at,
-        delay,
-    ) = args
+    event_type = args.event_type
     if not isinstance(event_type, str):
         raise InvalidEvent(f"event_type must be a string, got {type(event_type).__name__}.")
     # The message type and the default routing key.
     event_type = _short_str(event_type, "event_type", 128, required=True, short_string=True)
-    agg_type, agg_id = _aggregate(aggregate, aggregate_type, aggregate_id, using)
+    agg_type, agg_id = _aggregate(args.aggregate, args.aggregate_type, args.aggregate_id, using)
 
-    body, size = _serialise(payload, "payload")
+    body, size = _serialise(args.payload, "payload")
     limit = outbox_settings.MAX_PAYLOAD_BYTES
     if size > limit:
         raise PayloadTooLarge(
@@ -381,6 +370,7 @@ def build_event(args: EventArgs, using: str = DEFAULT_DB_ALIAS) -> OutboxEvent:
             "(OUTBOX_MAX_PAYLOAD_BYTES). Put large data in storage and send a reference, or "
             "raise the setting if your broker and consumers accept bigger messages."
         )
+    headers = args.headers
     if headers is None:
         header_values: dict[str, Any] = {}
     elif isinstance(headers, Mapping):
@@ -401,16 +391,18 @@ def build_event(args: EventArgs, using: str = DEFAULT_DB_ALIAS) -> OutboxEvent:
     else:
         raise InvalidEvent(f"headers must be a mapping, got {type(headers).__name__}.")
 
+    event_id = args.event_id
     if event_id is None:
         event_id = str(uuid.uuid4())
     # The message_id.
     event_id = _short_str(event_id, "event_id", 64, required=True, short_string=True)
 
+    occurred_at = args.occurred_at
     if occurred_at is None:
         occurred_at = timezone.now()
     else:
         _check_datetime(occurred_at, "occurred_at")
-    schedule = _schedule(deliver_at, delay)
+    schedule = _schedule(args.deliver_at, args.delay)
 
     event = OutboxEvent.objects.new_pending(
         **schedule,
