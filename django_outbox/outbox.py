@@ -334,9 +334,11 @@ class EventArgs(NamedTuple):
     arguments come in (``emit()``, ``Outbox.emit()``) and passed on whole to
     :func:`build_event`, which checks every field.
 
-    A named tuple, built positionally: emit() is on every request's path, and a frozen
-    dataclass took five times as long to build (its ``__init__`` sets each field through
-    ``object.__setattr__``).
+    A named tuple: emit() is on every request's path, and a frozen dataclass took ten
+    times as long to build (its ``__init__`` sets each field through
+    ``object.__setattr__``). The entry points build it with ``tuple.__new__`` and every
+    field in order, which skips the named tuple's own ``__new__`` (a Python function): 0.15
+    us against 0.3 us, 1.6 us for the dataclass.
     """
 
     event_type: str
@@ -498,6 +500,10 @@ def _wake_hook(using: str) -> Callable[[], None]:
     return functools.partial(request_wake, using)
 
 
+#: Builds an EventArgs from a tuple of all its fields, in order (see EventArgs).
+_new_args = tuple.__new__
+
+
 class Outbox:
     """The events of one ``atomic()`` block, inserted with one INSERT when it exits."""
 
@@ -521,8 +527,9 @@ class Outbox:
         delay: timedelta | float | None = None,
     ) -> OutboxEvent:
         """Add an event to this block; it is written when the block exits without error."""
-        return self._add(
-            EventArgs(
+        args = _new_args(
+            EventArgs,
+            (
                 event_type,
                 payload,
                 aggregate,
@@ -533,8 +540,9 @@ class Outbox:
                 occurred_at,
                 deliver_at,
                 delay,
-            )
+            ),
         )
+        return self._add(args)
 
     def _add(self, args: EventArgs) -> OutboxEvent:
         if self._atomic is None:
@@ -619,17 +627,20 @@ def emit(
     """
     alias = outbox_db(using)
     _require_transaction(alias)
-    args = EventArgs(
-        event_type,
-        payload,
-        aggregate,
-        aggregate_type,
-        aggregate_id,
-        event_id,
-        headers,
-        occurred_at,
-        deliver_at,
-        delay,
+    args = _new_args(
+        EventArgs,
+        (
+            event_type,
+            payload,
+            aggregate,
+            aggregate_type,
+            aggregate_id,
+            event_id,
+            headers,
+            occurred_at,
+            deliver_at,
+            delay,
+        ),
     )
     stack = _stack(alias)
     if stack and stack[-1]._is_innermost():
