@@ -173,7 +173,7 @@ def test_dead_head_blocks_until_requeued_from_the_admin(settings, client, django
     client.force_login(django_user_model.objects.create_superuser("root", "r@x.org", "pw"))
     client.post(
         reverse("admin:django_outbox_outboxevent_changelist"),
-        {"action": "requeue", ACTION_CHECKBOX_NAME: [str(a1.pk)], "index": 0},
+        {"action": "requeue", ACTION_CHECKBOX_NAME: [str(a1.pk)], "index": 0, "post": "yes"},
     )
     assert list(OutboxEvent.objects.blocked_aggregates()) == []
     make_relay().drain()
