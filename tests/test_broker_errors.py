@@ -24,8 +24,10 @@ from django.test import override_settings
 
 from django_outbox._compat.pika import HandTurnedLoop, connection_failure
 from django_outbox.backends.pika import PikaBackend
+from django_outbox.consumer import Consumer
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
+from tests.utils.amqp import AWARD, serving
 from tests.utils.proxy import closed_port
 from tests.utils.rows import make_events
 from tests.utils.waiting import wait_for
@@ -182,6 +184,40 @@ def test_the_long_running_relay_retries_and_logs_the_cause(amqp_url, caplog) -> 
     lines = [r.getMessage() for r in caplog.records if words in r.getMessage()]
     assert all("broker unavailable" in line and "retrying in" in line for line in lines)
     assert OutboxEvent.objects.get().retry_count == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("case", CASES)
+def test_consume_outbox_once_exits_2_with_the_cause(amqp_url, case) -> None:
+    """Before: it reconnected for good, logging ``AMQPConnectionError: `` with no cause (an
+    unknown host ended in a traceback: BlockingConnection raises the bare gaierror)."""
+    spoil, words = CASES[case]
+    started = time.monotonic()
+    with (
+        override_settings(OUTBOX_BROKER_URL=spoil(amqp_url)),
+        pytest.raises(CommandError) as info,
+    ):
+        call_command("consume_outbox", "--once", "--handler", AWARD, stdout=StringIO(), verbosity=0)
+    assert time.monotonic() - started < 30
+    assert info.value.returncode == 2
+    said = str(info.value)
+    assert said.startswith("consume_outbox: cannot connect to RabbitMQ at ")
+    assert words in said
+    assert "not-the-password" not in said
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_long_running_consumer_retries_and_logs_the_cause(amqp_url, caplog) -> None:
+    spoil, words = CASES["missing vhost"]
+    caplog.set_level("WARNING", logger="django_outbox.consumer")
+    consumer = Consumer(handlers=[AWARD], url=spoil(amqp_url), reconnect_max=0.2)
+    with serving(consumer):
+        assert wait_for(lambda: caplog.text.count(words) >= 2, timeout=20), caplog.text
+    lines = [r.getMessage() for r in caplog.records if words in r.getMessage()]
+    assert all(
+        line.startswith("cannot connect to RabbitMQ at ") and "reconnecting in" in line
+        for line in lines
+    )
 
 
 # -- unroutable ------------------------------------------------------------------------------

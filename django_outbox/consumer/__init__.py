@@ -21,6 +21,8 @@ from ..message import Delivery
 from .base import (
     LOST_CONNECTION_RETRIES,
     BaseConsumer,
+    BrokerUnreachable,
+    CannotConnect,
     ImproperlyConfiguredConsumer,
     dead_letter_queue_name,
     default_queue_name,
@@ -58,6 +60,8 @@ __all__ = [
     "REASON_HEADER",
     "Action",
     "BaseConsumer",
+    "BrokerUnreachable",
+    "CannotConnect",
     "ConsumeResult",
     "Consumer",
     "Decision",

@@ -53,6 +53,22 @@ class ImproperlyConfiguredConsumer(OutboxError):
     handler's fault. ``consume_outbox`` exits 2 with the text."""
 
 
+class CannotConnect(Exception):
+    """No node of the broker could be connected to; the text says why in words (``vhost
+    'shop' not found``), no password. ``permanent``: trying again as configured fails the
+    same way (a name that does not resolve, a refused port, a missing vhost, refused
+    credentials). A transport's :meth:`BaseConsumer.connect` raises it."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class BrokerUnreachable(OutboxError):
+    """A one-pass run (``consume_outbox --once``) could not connect to any broker node:
+    it gives up (exit 2) instead of waiting. The text says why."""
+
+
 def dead_letter_queue_name(queue: str) -> str:
     return f"{queue}.dlq"
 
@@ -129,7 +145,9 @@ class BaseConsumer(ABC, Generic[M]):
     def connect(self) -> None:
         """Connect to the first node that answers (``self.nodes.connect()``), set
         ``self._node`` to its name as soon as a connection is open, and declare what is read.
-        Raises one of :attr:`connection_errors` when every node has failed in this round."""
+        Raises :class:`CannotConnect` (the cause in words) when every node has failed in
+        this round to open a connection, one of :attr:`connection_errors` when one that
+        opened was lost."""
 
     @property
     @abstractmethod
@@ -180,14 +198,23 @@ class BaseConsumer(ABC, Generic[M]):
         """Consume until ``stop`` is set, ``max_messages`` were handled, or (``until_idle``)
         the queue stayed empty for ``idle_timeout`` seconds. Reconnects after a lost
         connection: to the next broker node at once while some node has not failed in this
-        round, else after a growing pause (:class:`~django_outbox.worker.BrokerNodes`)."""
+        round, else after a growing pause (:class:`~django_outbox.worker.BrokerNodes`).
+
+        A run ``until_idle`` (one pass) that cannot connect to any node raises
+        :class:`BrokerUnreachable` instead of waiting; a long-running one retries and logs
+        the cause each time."""
         stop = stop or threading.Event()
         result = ConsumeResult()
         backoff = Backoff(maximum=self.reconnect_max)
 
         def step() -> bool:
             if not self.ready:
-                self.connect()
+                try:
+                    self.connect()
+                except CannotConnect as exc:
+                    if until_idle:
+                        raise BrokerUnreachable(str(exc)) from exc
+                    raise
                 backoff.reset()
             return self._consume(stop, result, max_messages, until_idle)
 
@@ -202,6 +229,9 @@ class BaseConsumer(ABC, Generic[M]):
             then = (
                 f"reconnecting in {pause:.1f}s" if pause else f"failing over to {self.nodes.name()}"
             )
+            if isinstance(exc, CannotConnect):
+                logger.warning("%s; %s", exc, then)
+                return
             logger.warning(
                 "broker connection%s lost (%s: %s); %s", where, type(exc).__name__, exc, then
             )
@@ -212,7 +242,7 @@ class BaseConsumer(ABC, Generic[M]):
                 step,
                 backoff=backoff,
                 on_error=lost,
-                recoverable=self.connection_errors,
+                recoverable=(CannotConnect, *self.connection_errors),
                 fail_over=fail_over,
             )
         finally:

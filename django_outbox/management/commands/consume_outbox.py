@@ -1,7 +1,8 @@
 """manage.py consume_outbox: run the IdempotentHandlers over a RabbitMQ queue.
 
 Exit codes: 0 stopped by a signal, or ``--once``/``--max-messages`` done; 1 a second
-signal; 2 misconfigured, or the handlers' database unreachable or unmigrated at start.
+signal; 2 misconfigured, the handlers' database unreachable or unmigrated at start, or
+(``--once``) no broker node could be connected to.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.management.base import CommandError, CommandParser
 
 from ...consumer import (
+    BrokerUnreachable,
     IdempotentHandler,
     ImproperlyConfiguredConsumer,
     ImproperlyConfiguredHandler,
@@ -162,7 +164,10 @@ class Command(DatabaseCommand):
             self.stderr.write(f"consume_outbox: {consumer.queue} on {consumer.nodes}")
         stop = threading.Event()
         with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
-            result = consumer.serve(stop=stop, max_messages=max_messages, until_idle=once)
+            try:
+                result = consumer.serve(stop=stop, max_messages=max_messages, until_idle=once)
+            except BrokerUnreachable as exc:
+                raise CommandError(f"consume_outbox: {exc}", returncode=2) from exc
         if json:
             self.stdout.write(dumps(result.as_dict(), sort_keys=True))
         else:
