@@ -1,4 +1,5 @@
-"""Small database helpers shared by the model, the emit helper, the relay and the tasks."""
+"""Small database helpers shared by the model, the emit helper, the relay, the figures and
+the tasks: the database clock (:func:`db_now`), isolation, connections, run-once locks."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import hashlib
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.db.models.functions import Now
+from django.db.models.sql import Query
+from django.utils import timezone as django_timezone
 
 from ._compat.django import clear_errors, forget_connection, had_errors
 
@@ -42,6 +46,42 @@ class DbNow(Now):
         # (a row due now + 0 s would wait for the next millisecond).
         template = f"(STRFTIME('%%%%Y-%%%%m-%%%%d %%%%H:%%%%M:%%%%f', 'now'{local}) || '000')"
         return self.as_sql(compiler, connection, template=template, **extra_context)
+
+
+def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
+    """The database's current time (one round trip), as Django returns a datetime column:
+    aware UTC under ``USE_TZ``, naive local time under ``USE_TZ = False``.
+
+    Compiles :class:`DbNow` with the connection's own compiler, so it is the very
+    expression the relay compares ``next_retry_time`` with.
+    """
+    connection = connections[using]
+    query = Query(None)
+    compiler = query.get_compiler(using=using)
+    expression = DbNow().resolve_expression(query)
+    sql, params = compiler.compile(expression)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {sql}", list(params))
+        (value,) = cursor.fetchone()
+    if isinstance(value, str):  # SQLite returns text
+        value = datetime.fromisoformat(value)
+    return django_datetime(value)
+
+
+def django_datetime(value: datetime) -> datetime:
+    """A datetime as Django hands one out: aware UTC under ``USE_TZ``, else naive local.
+
+    Every figure subtracts the database clock from column values the ORM returned, so
+    both must follow the same rule (mixing them is a TypeError under ``USE_TZ = False``).
+    """
+    if settings.USE_TZ:
+        # MySQL/MariaDB (UTC_TIMESTAMP) and SQLite ('now') read the clock as naive UTC.
+        if django_timezone.is_naive(value):
+            value = value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+    if django_timezone.is_aware(value):
+        return django_timezone.make_naive(value, django_timezone.get_default_timezone())
+    return value
 
 
 @contextmanager

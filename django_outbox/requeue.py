@@ -31,10 +31,9 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from . import ordering
-from .db import DbNow
+from .db import DbNow, db_now
 from .models import OutboxEvent, Status, outbox_db
 from .querysets import OutboxEventQuerySet, scheduled_q
-from .stats import db_now
 
 #: Rows per batch unless told otherwise: one UPDATE of this many ids per transaction.
 DEFAULT_BATCH_SIZE = 500

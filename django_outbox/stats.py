@@ -5,9 +5,10 @@ count (and its trend), the age of the oldest PENDING event and the number of dea
 catch every incident early. The admin dashboard, the Prometheus collector and
 ``manage.py outbox_stats`` all read their figures from here, so the three never disagree.
 
-Every figure is measured against the **database clock**: :func:`db_now` reads it once per
-snapshot and all windows are cut from that instant, so a relay host with a skewed clock or a
-web server in another time zone changes nothing. The queries stay on the model's indexes:
+Every figure is measured against the **database clock**: :func:`~django_outbox.db.db_now`
+reads it once per snapshot and all windows are cut from that instant, so a relay host with a
+skewed clock or a web server in another time zone changes nothing. The queries stay on the
+model's indexes:
 
 - counts by status, the scheduled rows and when the oldest PENDING row became due
   (``COALESCE(due_at, created_at)``): one pass over the PENDING and DEAD rows, which the
@@ -34,16 +35,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from django.conf import settings
 from django.db import connections, router
 from django.db.models import Case, CharField, Count, Min, Q, Value, When
 from django.db.models.functions import TruncMinute
-from django.db.models.sql import Query
 from django.utils import timezone as django_timezone
 
 from . import ordering
 from .conf import outbox_settings
-from .db import DbNow
+from .db import db_now, django_datetime
 from .models import OutboxEvent, Status, outbox_db
 from .querysets import due_since, scheduled_q
 
@@ -307,43 +306,6 @@ def _iso(value: datetime | None) -> str | None:
     return value.astimezone(timezone.utc).isoformat()
 
 
-def _normal(value: datetime) -> datetime:
-    """A datetime as Django hands one out: aware UTC under ``USE_TZ``, else naive local.
-
-    Every figure subtracts the database clock from column values the ORM returned, so
-    both must follow the same rule (mixing them is a TypeError under ``USE_TZ = False``).
-    """
-    if settings.USE_TZ:
-        # MySQL/MariaDB (UTC_TIMESTAMP) and SQLite ('now') read the clock as naive UTC.
-        if django_timezone.is_naive(value):
-            value = value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
-    if django_timezone.is_aware(value):
-        return django_timezone.make_naive(value, django_timezone.get_default_timezone())
-    return value
-
-
-def db_now(using: str | None = None) -> datetime:
-    """The database's current time (one round trip), as Django returns a datetime column:
-    aware UTC under ``USE_TZ``, naive local time under ``USE_TZ = False``.
-
-    Compiles :class:`~django_outbox.db.DbNow` with the connection's own compiler, so it is
-    the very expression the relay compares ``next_retry_time`` with.
-    """
-    using = outbox_db(using)
-    connection = connections[using]
-    query = Query(OutboxEvent)
-    compiler = query.get_compiler(using=using)
-    expression = DbNow().resolve_expression(query)
-    sql, params = compiler.compile(expression)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {sql}", list(params))
-        (value,) = cursor.fetchone()
-    if isinstance(value, str):  # SQLite returns text
-        value = datetime.fromisoformat(value)
-    return _normal(value)
-
-
 def gauges(using: str | None = None) -> Gauges:
     """PENDING count, DEAD count and oldest PENDING age: two short queries."""
     using = outbox_db(using)
@@ -360,7 +322,7 @@ def gauges(using: str | None = None) -> Gauges:
             oldest=Min(due_since(), filter=Q(status=Status.PENDING) & ~scheduled),
         )
     )
-    oldest = _normal(figures["oldest"]) if figures["oldest"] is not None else None
+    oldest = django_datetime(figures["oldest"]) if figures["oldest"] is not None else None
     age = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
     dead = figures["dead"] or 0
     return Gauges(
@@ -479,7 +441,7 @@ def _per_minute(queryset: Any, column: str) -> dict[datetime, int]:
         .annotate(n=Count("id"))
         .order_by()
     )
-    return {_normal(minute): n for minute, n in rows}
+    return {django_datetime(minute): n for minute, n in rows}
 
 
 # -- dead letters by failure reason (the admin dashboard) --------------------------------------

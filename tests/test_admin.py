@@ -11,8 +11,9 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 from django.urls import reverse
 
+from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.stats import db_now, format_age
+from django_outbox.stats import format_age
 from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db

@@ -12,8 +12,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
+from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.stats import db_now
 from django_outbox.templatetags.outbox_admin import outbox_crumbs
 from tests.utils.admin import staff_client
 from tests.utils.rows import make_events

@@ -5,15 +5,27 @@ from __future__ import annotations
 import io
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
 from django.db import DatabaseError, connection, transaction
 
-from django_outbox.db import tidy_connections
-from django_outbox.models import outbox_db
+from django_outbox import outbox
+from django_outbox.db import db_now, tidy_connections
+from django_outbox.models import OutboxEvent, outbox_db
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_db_now_is_the_database_clock():
+    with transaction.atomic():
+        outbox.emit("PING", payload={})
+    event = OutboxEvent.objects.get()
+    now = db_now()
+    assert now.tzinfo is not None
+    # created_at was set by the database itself (DbNow) just before
+    assert timedelta(0) <= now - event.created_at < timedelta(seconds=30)
 
 
 def test_a_healthy_connection_is_kept_with_the_default_conn_max_age():

@@ -12,11 +12,11 @@ import pytest
 
 from django_outbox.backends import locmem
 from django_outbox.backends.base import Reason
+from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.purge import purge
 from django_outbox.relay import BrokerOutage, Relay
 from django_outbox.retry import FixedRetryPolicy
-from django_outbox.stats import db_now
 from tests.utils.rows import make_events
 
 pytestmark = pytest.mark.django_db(transaction=True)

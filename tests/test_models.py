@@ -12,8 +12,8 @@ import pytest
 from django.db import connection, transaction
 
 from django_outbox.conf import OutboxSettings
+from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.stats import db_now
 from tests.utils.rows import make_events
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ from django.test.utils import CaptureQueriesContext
 
 from django_outbox.backends import locmem
 from django_outbox.backends.base import Reason
+from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.stats import db_now
 from tests.utils.relay import make_relay
 from tests.utils.rows import expire_leases, make_events
 

@@ -12,10 +12,10 @@ import pytest
 
 from django_outbox.backends import locmem
 from django_outbox.backends.base import PublishResult, Reason
+from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay.batch import Batch
 from django_outbox.relay.lanes import INLINE
-from django_outbox.stats import db_now
 from tests.utils.relay import make_relay
 from tests.utils.rows import expire_leases, make_events
 

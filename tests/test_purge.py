@@ -12,9 +12,9 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from django_outbox.checks import Codes, check_inbox_retention
+from django_outbox.db import db_now
 from django_outbox.models import InboxMessage, OutboxEvent, Status
 from django_outbox.purge import RetentionTooShort, purge
-from django_outbox.stats import db_now
 from tests.utils.rows import make_events, make_inbox
 from tests.utils.threads import db_thread
 

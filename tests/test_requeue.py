@@ -17,10 +17,11 @@ from django.utils import timezone
 from django_outbox.backends import locmem
 from django_outbox.backends.pika import PikaBackend
 from django_outbox.consumer import Dispatcher, Outcome, process_messages
+from django_outbox.db import db_now
 from django_outbox.message import REPLAY_HEADER, decode
 from django_outbox.models import InboxMessage, OutboxEvent, Status
 from django_outbox.requeue import Selection, requeue
-from django_outbox.stats import db_now, gauges
+from django_outbox.stats import gauges
 from points.models import PointsLedger
 from tests.utils.amqp import make_consumer
 from tests.utils.relay import make_relay

@@ -26,12 +26,11 @@ from prometheus_client import REGISTRY
 from django_outbox import outbox, stats
 from django_outbox.backends import locmem
 from django_outbox.backends.base import Reason
-from django_outbox.db import DbNow
+from django_outbox.db import DbNow, db_now
 from django_outbox.exceptions import InvalidEvent
 from django_outbox.models import OutboxEvent, Status
 from django_outbox.relay import Relay
 from django_outbox.retry import FixedRetryPolicy
-from django_outbox.stats import db_now
 from tests.testapp.models import Widget
 from tests.utils.relay import make_relay
 

@@ -23,7 +23,7 @@ from django.urls import reverse
 from django.utils import timezone
 from prometheus_client import CollectorRegistry
 
-from django_outbox import metrics, outbox, stats
+from django_outbox import db, metrics, outbox, stats
 from django_outbox.exceptions import InvalidEvent
 from django_outbox.models import OutboxEvent, Status
 from tests.utils.rows import make_events
@@ -50,7 +50,7 @@ def utc_now() -> datetime:
 
 
 def test_db_now_is_naive_local_time_like_timezone_now(naive):
-    now = stats.db_now()
+    now = db.db_now()
     assert timezone.is_naive(now)
     assert abs(now - timezone.now()) < timedelta(seconds=30)
 

@@ -21,9 +21,9 @@ from django.db import connections
 from django.utils import timezone as django_timezone
 
 from django_outbox.consumer import Action, Decision, HandlerResult, Outcome
+from django_outbox.db import db_now
 from django_outbox.message import Delivery, encode_body, encode_headers
 from django_outbox.models import InboxMessage, OutboxEvent, Status, outbox_db
-from django_outbox.stats import db_now
 
 #: ``occurred_at`` of :func:`wire_rows`: microseconds, so that their encoding shows.
 OCCURRED = datetime(2026, 5, 17, 8, 30, 15, 123456, tzinfo=timezone.utc)
