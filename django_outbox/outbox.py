@@ -3,7 +3,7 @@
 Nothing here talks to a broker or depends on an ``on_commit`` hook: events become rows of
 the outbox table inside the same transaction as the business write, and the relay
 (``publish_outbox``) moves committed rows to RabbitMQ. (On PostgreSQL one hook wakes the
-relays after the commit, see ``relay/wake.py``; without it they find the rows at their
+relays after the commit, see ``notify.py``; without it they find the rows at their
 next poll.) If the transaction rolls back, the
 events roll back with it; if it commits, the events are there for the relay, whatever
 happens to this process afterwards.
@@ -38,6 +38,7 @@ from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
 from .message import is_reserved_header
 from .models import OutboxEvent, outbox_db
+from .notify import request_wake
 
 __all__ = ["MAX_JSON_DEPTH", "Outbox", "atomic", "emit"]
 
@@ -481,7 +482,7 @@ def _insert(events: list[OutboxEvent], using: str) -> None:
         raise
     if connection.vendor == "postgresql" and outbox_settings.NOTIFY:
         # Right after the commit, on this connection: a NOTIFY in this transaction would
-        # serialise its commit with every other one that notifies (relay/wake.py).
+        # serialise its commit with every other one that notifies (notify.py).
         hook = _wake_hook(using)
         # Once per transaction however many emits it makes; a savepoint rolled back takes
         # its hook along, and the next emit registers it again.
@@ -493,10 +494,6 @@ def _insert(events: list[OutboxEvent], using: str) -> None:
 def _wake_hook(using: str) -> Callable[[], None]:
     """The ``on_commit`` hook that wakes the relays of database ``using``: one function per
     alias, so a transaction registers it once."""
-    # Imported here, the first time a transaction on PostgreSQL emits: a process that only
-    # emits has no use for the relay's other modules.
-    from .relay.wake import request_wake
-
     return functools.partial(request_wake, using)
 
 

@@ -21,6 +21,7 @@ FOUNDATION = {
     "message",
     "formats",
     "db",
+    "notify",
     "worker",
     "retry",
     "_compat",

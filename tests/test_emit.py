@@ -14,7 +14,7 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_outbox import outbox
+from django_outbox import notify, outbox
 from django_outbox.exceptions import (
     DuplicateEventId,
     InvalidEvent,
@@ -23,7 +23,6 @@ from django_outbox.exceptions import (
 )
 from django_outbox.message import is_reserved_header
 from django_outbox.models import OutboxEvent, Status
-from django_outbox.relay import wake
 from django_outbox.relay.wake import PostgresNotifyWaker
 from orders.models import Order
 from orders.services import create_order
@@ -328,7 +327,7 @@ def listening(db_vendor: str) -> Iterator[Callable[[float], bool]]:
     waker = PostgresNotifyWaker(threading.Event(), "default", "django_outbox")
     raw = waker._listen()
     # A commit of an earlier test, less than NOTIFY_WINDOW ago, must not silence this one's.
-    wake._last_notify.clear()
+    notify._last_notify.clear()
     try:
         yield lambda timeout: waker._received(raw, timeout)
     finally:

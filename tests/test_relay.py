@@ -634,12 +634,13 @@ def test_a_commit_that_sent_no_notify_is_relayed_within_the_window(monkeypatch):
     it and gone back to sleep, a second one within ``NOTIFY_WINDOW`` of the first: only the
     first commit sends a NOTIFY, and the relay (polling every 120 s, so every 12 s after a
     pass that found events) still publishes the second within about the window."""
+    from django_outbox import notify
     from django_outbox.relay import wake
 
     if connection.vendor != "postgresql":
         pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
-    monkeypatch.setattr(wake, "NOTIFY_WINDOW", 1.0)
-    monkeypatch.setattr(wake, "_last_notify", {})
+    monkeypatch.setattr(notify, "NOTIFY_WINDOW", 1.0)
+    monkeypatch.setattr(notify, "_last_notify", {})
     listener = wake.PostgresNotifyWaker(threading.Event(), "default", "django_outbox")
     raw = listener._listen()
     relay, stop = make_relay(db_thread=False), threading.Event()

@@ -57,7 +57,7 @@ LEASE_MARGIN = 5.0
 #: interval: events that keep coming are picked up within a tenth of it (polling is all
 #: MySQL/MariaDB and SQLite have), and an idle relay still polls at the interval. With
 #: LISTEN/NOTIFY, sooner still after a pass that was woken or found events: the waker's
-#: ``recheck`` (see relay.wake, the NOTIFY window).
+#: ``recheck`` (see relay.wake and notify.py, the NOTIFY window).
 BUSY_POLL_FRACTION = 0.1
 
 

@@ -1,12 +1,11 @@
-"""How a relay waits between passes (polling, or LISTEN/NOTIFY on PostgreSQL), and how
-``emit()`` wakes it: :func:`request_wake`, a NOTIFY sent right after the commit, never
-inside the business transaction, and at most one per :data:`NOTIFY_WINDOW` from a process.
+"""How a relay waits between passes: polling, or LISTEN/NOTIFY on PostgreSQL, where
+``emit()`` wakes it with the NOTIFY of :mod:`django_outbox.notify`.
 
-The window's promise, kept by both sides: a commit that sends no NOTIFY because this
-process sent one less than ``NOTIFY_WINDOW`` ago is found by a relay within about that
-long. Each relay that the NOTIFY woke (or that found events) looks again
-``NOTIFY_WINDOW`` after its pass (:attr:`Waker.recheck`, ``Relay.run``), and that is after
-the skipped commit: the NOTIFY was sent before it, and the relay received it after.
+The NOTIFY window's promise, kept by both sides: a commit that sends no NOTIFY because its
+process sent one less than :data:`~django_outbox.notify.NOTIFY_WINDOW` ago is found by a
+relay within about that long. Each relay that the NOTIFY woke (or that found events) looks
+again ``NOTIFY_WINDOW`` after its pass (:attr:`Waker.recheck`, ``Relay.run``), and that is
+after the skipped commit: the NOTIFY was sent before it, and the relay received it after.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any
 
 from django.db import connections
 
+from .. import notify
 from ..conf import outbox_settings
 
 logger = logging.getLogger("django_outbox.relay")
@@ -58,7 +58,7 @@ class PostgresNotifyWaker(Waker):
 
     @property
     def recheck(self) -> float:
-        return NOTIFY_WINDOW
+        return notify.NOTIFY_WINDOW
 
     def __init__(self, stop: threading.Event, using: str, channel: str) -> None:
         super().__init__(stop)
@@ -108,63 +108,6 @@ class PostgresNotifyWaker(Waker):
             with suppress(Exception):
                 self._wrapper.close()
             self._wrapper = None
-
-
-# -- the emitting side ----------------------------------------------------------------------
-#: A transaction of its own that commits asynchronously (``is_local``: the setting ends with
-#: it): the NOTIFY carries no data to make durable.
-NOTIFY_SQL = "SELECT set_config('synchronous_commit', 'off', true), pg_notify(%s, '')"
-
-#: Seconds after a NOTIFY during which the commits of the same process send none: the
-#: relays it woke look again this long after their pass (the module's docstring). A busy
-#: process pays one round trip per window instead of one per commit (bench.emit_bench);
-#: what a skipped commit may wait for a relay is about this long.
-NOTIFY_WINDOW = 0.01
-
-# Database alias -> time.monotonic() when this process last sent a NOTIFY there. Shared by
-# the process's threads: a NOTIFY from any of them wakes the relays for all.
-_last_notify: dict[str, float] = {}
-
-
-def request_wake(using: str) -> None:
-    """Wake the relays of database ``using``: ``emit()``'s ``on_commit`` hook, run once per
-    transaction that emitted, right after its commit, on the same connection.
-
-    Why not ``NOTIFY`` inside the business transaction, as PostgreSQL intends: a
-    transaction that issued NOTIFY takes a lock that every other notifying transaction
-    waits for at commit, and holds it until its commit record is flushed to disk, so with
-    a NOTIFY in every business transaction concurrent writers commit one at a time
-    (docs/benchmarks.md, "What an event costs"). Sent after the commit, the NOTIFY is a
-    transaction of its own that commits asynchronously, holding that lock for
-    microseconds; it costs the request one round trip, and no thread nor connection
-    beside the request's own.
-
-    Sent at most once per :data:`NOTIFY_WINDOW` by a process: a commit less than that after
-    the last NOTIFY sends none, and a relay finds it within about that long all the same.
-
-    Never raises: the events are committed whatever happens here. A failed NOTIFY is
-    logged and the relays find the events at their next poll (``OUTBOX_POLL_INTERVAL``).
-    """
-    sending = time.monotonic()
-    if sending - _last_notify.get(using, -math.inf) < NOTIFY_WINDOW:
-        return
-    connection = connections[using]
-    try:
-        # The driver's cursor, not Django's: none of its wrapping (query logging, error
-        # translation) is of use here, and this runs after every commit that emitted.
-        cursor = connection.connection.cursor()
-        try:
-            cursor.execute(NOTIFY_SQL, [outbox_settings.NOTIFY_CHANNEL])
-        finally:
-            cursor.close()
-        _last_notify[using] = sending
-    except Exception:
-        logger.warning(
-            "The NOTIFY that wakes the relays failed on database %r; they will find the "
-            "committed events at their next poll (OUTBOX_POLL_INTERVAL).",
-            using,
-            exc_info=True,
-        )
 
 
 def make_waker(using: str, stop: threading.Event) -> Waker:
