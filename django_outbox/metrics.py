@@ -10,8 +10,9 @@ Two kinds of metric live here:
   what *it* did; ``sum()`` them across replicas.
 - **database gauges** (pending, dead, oldest pending age, blocked aggregates, scheduled):
   read from the outbox table at scrape time by :class:`OutboxCollector` through
-  :mod:`django_outbox.stats`. Every process that exposes them reports the *same* table,
-  so aggregate them with ``max()``, never ``sum()`` (docs/monitoring.md has the PromQL).
+  :mod:`django_outbox.gauges` (which the dashboard's figures use too). Every process that
+  exposes them reports the *same* table, so aggregate them with ``max()``, never ``sum()``
+  (docs/monitoring.md has the PromQL).
 
 Every metric carries ``database``, the alias of the outbox it describes: a project whose
 outbox lives in several databases runs a relay per alias and reads one gauge sample each.
@@ -138,7 +139,7 @@ class OutboxCollector(Collector):
 
     One sample per outbox database, labelled ``database`` with its alias: ``using`` when
     given (a relay's ``--database``), else every alias of
-    :func:`~django_outbox.stats.outbox_databases`. A scrape never fails because of a
+    :func:`~django_outbox.gauges.outbox_databases`. A scrape never fails because of a
     database: one that cannot be read reports ``django_outbox_database_up 0`` and no other
     gauge (so an alert on them does not fire on stale numbers; alert on ``database_up`` or
     ``absent()`` instead).
@@ -154,13 +155,13 @@ class OutboxCollector(Collector):
             yield GaugeMetricFamily(name, help_text, labels=["database"])
 
     def databases(self) -> list[str]:
-        from . import stats
+        from .gauges import outbox_databases
 
         # At each scrape, not once: DATABASE_ROUTERS and OUTBOX_DATABASES are read at use.
-        return [self.using] if self.using else stats.outbox_databases()
+        return [self.using] if self.using else outbox_databases()
 
     def collect(self) -> Iterator[Metric]:
-        from . import stats
+        from .gauges import gauges
 
         families = {
             name: GaugeMetricFamily(name, help_text, labels=["database"])
@@ -169,7 +170,7 @@ class OutboxCollector(Collector):
         for using in self.databases():
             started = time.monotonic()
             try:
-                figures = stats.gauges(using)
+                figures = gauges(using)
             except Exception as exc:  # any database trouble must not break the whole scrape
                 logger.warning("Cannot read the outbox gauges from database %r: %s", using, exc)
                 families[DATABASE_UP].add_metric([using], 0)

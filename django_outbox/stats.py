@@ -13,6 +13,7 @@ model's indexes:
 - counts by status, the scheduled rows and when the oldest PENDING row became due
   (``COALESCE(due_at, created_at)``): one pass over the PENDING and DEAD rows, which the
   counts need anyway (``due_at`` has no index: it would cost every ``emit()`` a write);
+  :mod:`~django_outbox.gauges` reads them, for the Prometheus collector too;
 - the triage table and the "created" trend: ``status IN (0, 1, 2) AND created_at >= ...``,
   again ``(status, created_at)`` (the ``IN`` lets PostgreSQL and MySQL use the index
   without a leading equality on status);
@@ -35,16 +36,17 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from django.db import connections, router
-from django.db.models import Case, CharField, Count, Min, Q, Value, When
+from django.db.models import Case, CharField, Count, Value, When
 from django.db.models.functions import TruncMinute
 from django.utils import timezone as django_timezone
 
 from . import ordering
-from .conf import outbox_settings
-from .db import db_now, django_datetime
+from .db import django_datetime
+from .gauges import Gauges, gauges
+
+# The dashboard reads which databases to show here, with the rest of its figures.
+from .gauges import outbox_databases as outbox_databases
 from .models import OutboxEvent, Status, outbox_db
-from .querysets import due_since, scheduled_q
 
 #: The default window of the triage table, "sent" and the trend: the article's last hour.
 DEFAULT_WINDOW = 3600.0
@@ -58,30 +60,6 @@ TOP_DEAD_TYPES = 10
 TOP_BLOCKED = 20
 
 _ALL_STATUSES = [int(s) for s in Status]
-
-
-@dataclass(frozen=True)
-class Gauges:
-    """The three figures worth alerting on; cheap enough to read at every scrape.
-
-    A *scheduled* event (``emit(deliver_at=, delay=)``) that is not due yet is counted in
-    ``scheduled`` only: it is PENDING in the table, but waiting is what it was asked to do.
-    """
-
-    #: PENDING rows that are due (or in flight, or in retry backoff): not scheduled ones.
-    pending: int
-    dead: int
-    #: Seconds since the oldest PENDING row became due (created, or reached its scheduled
-    #: time, or was requeued), by the database clock; 0 when none.
-    oldest_pending_age: float
-    #: When the oldest PENDING row became due: its ``created_at`` unless it was scheduled
-    #: or requeued (None when nothing is pending).
-    oldest_pending_due_since: datetime | None
-    now: datetime
-    #: Ordered mode: aggregates whose head event is DEAD and holds back later events.
-    blocked_aggregates: int = 0
-    #: PENDING rows scheduled for later and not due yet.
-    scheduled: int = 0
 
 
 @dataclass(frozen=True)
@@ -306,40 +284,6 @@ def _iso(value: datetime | None) -> str | None:
     return value.astimezone(timezone.utc).isoformat()
 
 
-def gauges(using: str | None = None) -> Gauges:
-    """PENDING count, DEAD count and oldest PENDING age: two short queries."""
-    using = outbox_db(using)
-    now = db_now(using)
-    # Scheduled rows are cut at the instant every other figure is measured from.
-    scheduled = scheduled_q(now)
-    figures = (
-        OutboxEvent.objects.using(using)
-        .filter(status__in=[Status.PENDING, Status.DEAD])
-        .aggregate(
-            pending=Count("id", filter=Q(status=Status.PENDING) & ~scheduled),
-            scheduled=Count("id", filter=scheduled),
-            dead=Count("id", filter=Q(status=Status.DEAD)),
-            oldest=Min(due_since(), filter=Q(status=Status.PENDING) & ~scheduled),
-        )
-    )
-    oldest = django_datetime(figures["oldest"]) if figures["oldest"] is not None else None
-    age = max((now - oldest).total_seconds(), 0.0) if oldest is not None else 0.0
-    dead = figures["dead"] or 0
-    return Gauges(
-        pending=figures["pending"] or 0,
-        dead=dead,
-        oldest_pending_age=age,
-        oldest_pending_due_since=oldest,
-        now=now,
-        # Only DEAD rows can block (a PENDING head is being retried), so skip the query
-        # when there are none: it looks at DEAD rows only, a handful in triage.
-        blocked_aggregates=(
-            OutboxEvent.objects.using(using).blocked_aggregates().count() if dead else 0
-        ),
-        scheduled=figures["scheduled"] or 0,
-    )
-
-
 def blocked_aggregates(
     using: str | None = None, limit: int = TOP_BLOCKED
 ) -> list[BlockedAggregate]:
@@ -488,41 +432,3 @@ def dead_reasons(reasons: Sequence[str], using: str | None = None) -> list[DeadR
         )
         result.append(DeadReason(reason=value, count=n, last_error=next(iter(latest), "")))
     return result
-
-
-# -- several databases -------------------------------------------------------------------------
-
-
-def outbox_databases() -> list[str]:
-    """The aliases whose outbox the dashboard and the gauges show, the write alias first.
-
-    ``OUTBOX_DATABASES`` when set (each shown, as down when it cannot be read); else the
-    router's write alias (:func:`~django_outbox.models.outbox_db`) and every other alias
-    the router lets the outbox migrate to that answers and holds the table. Looking is
-    one catalogue query per alias; an alias that cannot be reached is left out, so pin
-    the list in a project whose second database must show as down when it is down.
-    """
-    configured = outbox_settings.DATABASES  # an empty list counts as unset
-    if configured:
-        return list(configured)
-    write = outbox_db()
-    found = [write]
-    found += [
-        alias
-        for alias in connections
-        if alias != write
-        and router.allow_migrate_model(alias, OutboxEvent)
-        and holds_outbox_table(alias)
-    ]
-    return found
-
-
-def holds_outbox_table(using: str) -> bool:
-    """Whether database ``using`` answers and has the outbox table (its migrations ran)."""
-    connection = connections[using]
-    try:
-        with connection.cursor() as cursor:
-            tables = connection.introspection.table_names(cursor)
-    except Exception:  # down, or (in tests) an alias the test may not use
-        return False
-    return OutboxEvent._meta.db_table in tables

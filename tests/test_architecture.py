@@ -29,7 +29,7 @@ FOUNDATION = {
     "transports",
 }
 #: The models and the row's lifecycle: the foundation and each other only.
-DATA = {"ordering", "querysets", "models"}
+DATA = {"ordering", "querysets", "models", "gauges"}
 #: Where each broker or task library may be imported.
 LIBRARIES = {
     # The Celery backend publishes through the pika backend's machinery (pipelined confirms).

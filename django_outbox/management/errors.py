@@ -108,7 +108,7 @@ def require_tables(command: str, needed: dict[str, dict[type[Model], str]]) -> N
 def require_outbox_table(command: str, using: str) -> None:
     """Exit 2 in one line when ``using`` has no outbox table: a relay there would fail
     every pass, and a database added for the outbox is easily left unmigrated."""
-    from ..stats import holds_outbox_table
+    from ..gauges import holds_outbox_table
 
     if not holds_outbox_table(using):
         raise CommandError(
