@@ -12,7 +12,12 @@ from tests.utils.subprocess import ROOT, django_env
 
 pytestmark = pytest.mark.once
 
-CELERY_MODULES = {"django_outbox.celery", "django_outbox.tasks", "django_outbox.backends.celery"}
+CELERY_MODULES = {
+    "django_outbox.celery",
+    "django_outbox.tasks",
+    "django_outbox.backends.celery",
+    "django_outbox._compat.celery",
+}
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:

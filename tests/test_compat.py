@@ -25,6 +25,7 @@ from pika.adapters.base_connection import BaseConnection
 from pika.adapters.select_connection import IOLoop
 
 from django_outbox import outbox
+from django_outbox._compat import celery as compat_celery
 from django_outbox._compat import django as compat_django
 from django_outbox._compat import pika as compat_pika
 from django_outbox._compat.django import (
@@ -63,7 +64,7 @@ def django_requires(ok: bool, what: str, recheck: str) -> None:
 
 
 @pytest.mark.once
-@pytest.mark.parametrize("pinned", [compat_pika.PINNED, compat_django.PINNED])
+@pytest.mark.parametrize("pinned", [compat_pika.PINNED, compat_django.PINNED, compat_celery.PINNED])
 def test_the_pins_the_messages_name_are_the_packaging_ones(pinned: str) -> None:
     assert f'"{pinned}"' in PYPROJECT.read_text(), f"{pinned} is not a dependency any more"
 

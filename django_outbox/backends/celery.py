@@ -19,8 +19,9 @@ the outcome of each message). kombu cannot do this: with ``confirm_publish`` py-
 for each message's confirm before the next is written, one round trip per event, and
 ``app.send_task()`` alone costs more per message than the whole pika path.
 
-A task message is built here, in Celery's task message protocol v2 (documented and
-stable: ``docs/internals/protocol`` in Celery): the headers ``app.amqp.as_task_v2()``
+A task message is built in Celery's task message protocol v2 (documented and stable:
+``docs/internals/protocol`` in Celery) by :mod:`django_outbox._compat.celery`, which holds
+everything here that rests on Celery's internals: the headers ``app.amqp.as_task_v2()``
 writes, the body ``[args, kwargs, embed]`` encoded with the app's ``task_serializer`` (and
 ``task_compression``) through kombu's serializer registry, ``correlation_id`` = task id.
 What Celery decides is asked of Celery: the destination comes from the app's router
@@ -38,7 +39,8 @@ Only RabbitMQ (the ``amqp``/``pyamqp`` transports) has publisher confirms: with 
 Celery broker the backend refuses to publish and ``manage.py check`` says so (E013).
 
 Importing this module imports Celery; nothing else in django_outbox does (besides
-``django_outbox.celery`` and ``django_outbox.tasks``), so Celery stays an optional extra.
+``django_outbox._compat.celery``, ``django_outbox.celery`` and ``django_outbox.tasks``), so
+Celery stays an optional extra.
 """
 
 from __future__ import annotations
@@ -47,18 +49,12 @@ import contextlib
 import json
 import logging
 import ssl
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 try:
     import celery
-    from celery import signals
-    from celery.app.routes import MapRoute
-    from celery.utils.nodenames import anon_nodename
-    from kombu import Exchange, Queue
-    from kombu.common import Broadcast
-    from kombu.compression import compress
-    from kombu.serialization import dumps
+
+    from .._compat import celery as compat
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         f"django_outbox.backends.celery.CeleryBackend needs Celery ({exc}); install it "
@@ -79,6 +75,8 @@ from .base import BrokerUnavailable, PublishResult, Reason, describe_error
 from .pika import CLOSE_TIMEOUT, PikaBackend, Unsendable
 
 if TYPE_CHECKING:
+    from kombu import Queue
+
     from ..models import OutboxEvent
 
 __all__ = ["CLOSE_TIMEOUT", "CeleryBackend", "load_app"]
@@ -87,11 +85,6 @@ logger = logging.getLogger("django_outbox.backends.celery")
 
 #: Celery transports with publisher confirms (py-amqp); "amqp" is Celery's alias of pyamqp.
 CONFIRMING_TRANSPORTS = ("amqp", "pyamqp", "amqps")
-#: kombu's names of the delivery modes (``task_default_delivery_mode = "persistent"``).
-DELIVERY_MODES = {"transient": 1, "persistent": 2}
-#: The third element of a task message's body: no callbacks, errbacks, chain or chord.
-EMBED: dict[str, None] = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-_EMBED_JSON = json.dumps(EMBED, separators=(",", ":")).encode()
 # The envelope's headers as encode_task_envelope() writes them (DjangoJSONEncoder).
 _HEADERS_ENCODER = DjangoJSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
@@ -145,8 +138,8 @@ class CeleryBackend(PikaBackend):
         # _declared_on; a new connection declares them again, as kombu would.
         self._declared: set[tuple[str, str]] = set()
         self._declared_on: object = None
-        self._origin = anon_nodename()
-        self._routes: dict[str, _Route] = {}  # task name -> route, when routed by name
+        self._origin = compat.origin()
+        self._routes: dict[str, compat.TaskRoute] = {}  # task name -> route, when routed by name
         self._by_name: bool | None = None  # whether the app routes by task name only
 
     @property
@@ -234,11 +227,17 @@ class CeleryBackend(PikaBackend):
         task_id=event_id)`` would publish (protocol v2)."""
         task_id = event.event_id
         args: list[Any] | None = None
+
+        def task_args() -> list[Any]:
+            nonlocal args
+            if args is None:
+                args = [encode_task_envelope(event)]
+            return args
+
         route = self._routes.get(name)
         if route is None:
-            args = [encode_task_envelope(event)]
             try:
-                route = self._route(name, args)
+                route = self._route(name, task_args())
             except Exception as exc:  # QueueNotFound, a router function's own error
                 raise Unsendable(
                     PublishResult.failed(
@@ -246,98 +245,39 @@ class CeleryBackend(PikaBackend):
                     )
                 ) from exc
         self._declare(route.queue, route.exchange)
-        # What worker logs and monitors show instead of the payload: no personal data in
-        # logs, and no repr of a large payload per message.
-        argsrepr = f"(<{event.event_type} event {task_id}>,)"
-        # The protocol's required headers and the optional ones that say something here;
-        # the rest (eta, expires, retries, timelimit, shadow, stamps...) are left at the
-        # worker's defaults, which are what send_task() would write: every header is
-        # encoded per message, and they are most of a task message's cost. ignore_result
-        # is left to the task's own setting, as apply_async() does.
-        headers: dict[str, Any] = {
-            "lang": "py",
-            "task": name,
-            "id": task_id,
-            "root_id": task_id,
-            "parent_id": None,
-            "group": None,
-            "argsrepr": argsrepr,
-            "kwargsrepr": "{}",
-            "origin": self._origin,
-        }
-        properties: dict[str, Any] = {"correlation_id": task_id, "reply_to": ""}
-        body: tuple[list[Any], dict[str, Any], dict[str, Any]] | None = None
-        if route.serializer == "json" and not signals.before_task_publish.receivers:
-            # What kombu's json serializer makes of the same body, written directly: the
-            # payload and headers are encoded once, not encoded, decoded (the envelope is
-            # plain JSON types) and encoded again (a test compares the two).
-            content_type, content_encoding = "application/json", "utf-8"
-            data: bytes | str = _task_body_json(event)
-        else:
-            if args is None:
-                args = [encode_task_envelope(event)]
-            body = (args, {}, dict(EMBED))
-            if signals.before_task_publish.receivers:
-                signals.before_task_publish.send(
-                    sender=name,
-                    body=body,
-                    exchange=route.exchange,
-                    routing_key=route.routing_key,
-                    declare=[route.queue] if route.queue is not None else [],
-                    headers=headers,
-                    properties=properties,
-                    retry_policy={},
-                )
-            content_type, content_encoding, data = dumps(body, serializer=route.serializer)
-        if route.compression:
-            data, headers["compression"] = compress(data, route.compression)
+        message = compat.task_message(
+            name,
+            task_id,
+            route,
+            args=task_args,
+            json_args=lambda: _envelope_json(event),
+            # What worker logs and monitors show instead of the payload: no personal data
+            # in logs, and no repr of a large payload per message.
+            argsrepr=f"(<{event.event_type} event {task_id}>,)",
+            origin=self._origin,
+        )
         props = spec.BasicProperties(
-            content_type=content_type,
-            content_encoding=content_encoding,
-            headers=headers,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            headers=message.headers,
             delivery_mode=route.delivery_mode,
             priority=route.priority,
             # message_id: how a basic.return is matched to its row (and what the pika
             # backend's messages carry); Celery itself sets only correlation_id.
             message_id=task_id,
-            correlation_id=properties.get("correlation_id", task_id),
-            reply_to=properties.get("reply_to") or None,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
         )
-        if signals.after_task_publish.receivers:
-            # Sent once the message is built; the relay writes it next, and SENT still
-            # waits for the broker's confirm.
-            if body is None:
-                body = ([encode_task_envelope(event)], {}, dict(EMBED))
-            signals.after_task_publish.send(
-                sender=name, body=body, exchange=route.exchange, routing_key=route.routing_key
-            )
-        return (
-            route.exchange,
-            route.routing_key,
-            data if isinstance(data, bytes) else data.encode(),
-            props,
-        )
+        return route.exchange, route.routing_key, message.body, props
 
-    def _route(self, name: str, args: list[Any]) -> _Route:
-        """Where the app's router sends task ``name`` with ``args``, with what serializer,
-        compression, priority and delivery mode. Kept per task name when the app routes by
-        name only (``task_routes`` of names and patterns, or none); a router function may
-        look at the arguments, so then it is asked for every message."""
+    def _route(self, name: str, args: list[Any]) -> compat.TaskRoute:
+        """Where the app's router sends task ``name`` with ``args`` (:func:`compat.route`),
+        kept per task name when the app routes by name only; a router function may look at
+        the arguments, so then it is asked for every message."""
         app = self.app
-        conf = app.conf
         if self._by_name is None:
-            self._by_name = all(isinstance(r, MapRoute) for r in app.amqp.routes)
-        options = app.amqp.router.route({}, name, args, {})
-        exchange, routing_key, delivery_mode, queue = _destination(app, options)
-        route = _Route(
-            exchange=exchange,
-            routing_key=routing_key,
-            delivery_mode=delivery_mode,
-            queue=queue,
-            serializer=options.get("serializer") or conf.task_serializer,
-            compression=options.get("compression") or conf.task_compression,
-            priority=options.get("priority"),
-        )
+            self._by_name = compat.routes_by_name(app)
+        route = compat.route(app, name, args)
         if self._by_name:
             self._routes[name] = route
         return route
@@ -404,61 +344,12 @@ class CeleryBackend(PikaBackend):
         self._declared.add(key)
 
 
-@dataclass(frozen=True)
-class _Route:
-    """Where and how a task message goes (see :meth:`CeleryBackend._route`)."""
-
-    exchange: str
-    routing_key: str
-    delivery_mode: int
-    queue: Queue | None  # declared before the first message to it
-    serializer: str
-    compression: str | None
-    priority: int | None
-
-
-def _destination(app: celery.Celery, route: dict[str, Any]) -> tuple[str, str, int, Queue | None]:
-    """Exchange, routing key, delivery mode and queue to declare of a routed task message:
-    the rules of Celery's ``send_task_message()``."""
-    amqp = app.amqp
-    queue = route.get("queue")
-    exchange = route.get("exchange")
-    routing_key = route.get("routing_key")
-    exchange_type = route.get("exchange_type")
-    delivery_mode = route.get("delivery_mode")
-    if isinstance(exchange, Exchange):
-        exchange_type = exchange_type or exchange.type
-        exchange = exchange.name
-    qname = queue
-    if queue is None and exchange is None:
-        queue = amqp.default_queue
-    if queue is not None:
-        if isinstance(queue, str):
-            qname, queue = queue, amqp.queues[queue]
-        else:
-            qname = queue.name
-    if delivery_mode is None:
-        delivery_mode = getattr(getattr(queue, "exchange", None), "delivery_mode", None)
-        delivery_mode = delivery_mode or app.conf.task_default_delivery_mode
-    if exchange_type is None:
-        exchange_type = getattr(getattr(queue, "exchange", None), "type", None) or "direct"
-    if (not exchange or not routing_key) and exchange_type == "direct":
-        exchange, routing_key = "", qname
-    elif exchange is None:
-        assert queue is not None  # no queue and no exchange: the default queue, above
-        exchange = queue.exchange.name or amqp.default_exchange.name
-        routing_key = routing_key or queue.routing_key or app.conf.task_default_routing_key
-    declare = queue if queue is not None and not isinstance(queue, Broadcast) else None
-    mode = DELIVERY_MODES.get(delivery_mode, delivery_mode)
-    return exchange or "", routing_key or "", int(mode or 2), declare
-
-
-def _task_body_json(event: OutboxEvent) -> bytes:
-    """The JSON body ``[[envelope], {}, embed]`` of :func:`encode_task_envelope`'s
+def _envelope_json(event: OutboxEvent) -> bytes:
+    """The task's arguments ``[envelope]`` as JSON: :func:`encode_task_envelope`'s
     envelope, with the payload as :func:`~django_outbox.message.encode_body` writes it."""
     return b"".join(
         (
-            b'[[{"event_id":',
+            b'[{"event_id":',
             json.dumps(event.event_id, ensure_ascii=False).encode(),
             b',"event_type":',
             json.dumps(event.event_type, ensure_ascii=False).encode(),
@@ -466,9 +357,7 @@ def _task_body_json(event: OutboxEvent) -> bytes:
             encode_body(event),
             b',"headers":',
             _HEADERS_ENCODER.encode(encode_headers(event)).encode(),
-            b"}],{},",
-            _EMBED_JSON,
-            b"]",
+            b"}]",
         )
     )
 
