@@ -9,18 +9,27 @@ pyproject.toml below the release.
 from __future__ import annotations
 
 import inspect
+import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import celery
 import django
 import pika
 import pytest
+from celery import Celery, signals
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, transaction
+from kombu import Exchange, Queue
+from kombu.common import Broadcast
+from kombu.serialization import dumps as kombu_dumps
+from kombu.serialization import loads as kombu_loads
 from pika.adapters.base_connection import BaseConnection
 from pika.adapters.select_connection import IOLoop
 
@@ -61,6 +70,10 @@ def pika_requires(ok: bool, what: str, recheck: str) -> None:
 
 def django_requires(ok: bool, what: str, recheck: str) -> None:
     _require(ok, "Django", django.__version__, compat_django.PINNED, what, recheck)
+
+
+def celery_requires(ok: bool, what: str, recheck: str) -> None:
+    _require(ok, "Celery", celery.__version__, compat_celery.PINNED, what, recheck)
 
 
 @pytest.mark.once
@@ -214,6 +227,249 @@ def test_the_coalescing_connection_gathers_every_frame_and_writes_them_in_one_pi
         EMIT,
     )
     pika_requires(confirmed_all, "RabbitMQ did not confirm frames written in one piece", EMIT)
+
+
+# -- Celery ----------------------------------------------------------------------------------
+TASK = "tests.compat.award"
+ROUTER = "app.amqp.router.route() and send_task_message()'s destination (celery/app/amqp.py)"
+MESSAGE = "as_task_v2() (celery/app/amqp.py) and task protocol v2 (docs/internals/protocol)"
+SIGNALS = "the publish signals of send_task_message() (celery/app/amqp.py)"
+ROUTED = Queue("compat.routed", Exchange("compat.routed", type="topic"), routing_key="points.#")
+
+
+def _by_argument(name: str, args: list, kwargs: dict, options: dict, **kw: object) -> dict | None:
+    """A router function: looks at the task's arguments."""
+    return {"queue": ROUTED.name} if args[0]["routed"] else None
+
+
+#: App settings whose routes the backend must follow as send_task() does.
+ROUTES = {
+    "the default queue": {},
+    "transient by default": {"task_default_delivery_mode": "transient"},
+    "a queue on a topic exchange": {
+        "task_queues": [ROUTED],
+        "task_routes": {TASK: {"queue": ROUTED.name, "routing_key": "points.award", "priority": 3}},
+    },
+    "a queue by name": {"task_queues": [ROUTED], "task_routes": {TASK: {"queue": ROUTED.name}}},
+    "a pattern": {
+        "task_queues": [ROUTED],
+        "task_routes": {"tests.compat.*": {"queue": ROUTED.name}},
+    },
+    "an exchange without a queue": {
+        "task_routes": {TASK: {"exchange": "compat.events", "routing_key": "points.award"}}
+    },
+    "an exchange without a routing key": {"task_routes": {TASK: {"exchange": "compat.events"}}},
+    "an Exchange of a type": {
+        "task_routes": {
+            TASK: {"exchange": Exchange("compat.t", type="topic"), "routing_key": "a.b"}
+        }
+    },
+    "an exchange type": {"task_routes": {TASK: {"exchange": "e", "exchange_type": "topic"}}},
+    "a broadcast queue": {
+        "task_queues": [Broadcast("compat.all")],
+        "task_routes": {TASK: {"queue": "compat.all"}},
+    },
+    "a queue created when missing": {"task_routes": {TASK: {"queue": "compat.new"}}},
+    "the app's serializer and compression": {
+        "task_serializer": "pickle",
+        "task_compression": "gzip",
+    },
+    "a route's serializer, compression, delivery mode": {
+        "task_routes": {
+            TASK: {"serializer": "pickle", "compression": "bzip2", "delivery_mode": "transient"}
+        }
+    },
+    "a router function": {"task_queues": [ROUTED], "task_routes": [_by_argument]},
+}
+
+
+def _celery_app(**conf: object) -> Celery:
+    app = Celery("compat", broker="amqp://", set_as_current=False)
+    app.conf.update(task_default_queue="compat.default", **conf)
+    return app
+
+
+class _Producer:
+    """What send_task() hands kombu's producer, recorded instead of published."""
+
+    class connection:  # send_task() reads producer.connection
+        @staticmethod
+        @contextmanager
+        def _reraise_as_library_errors() -> Iterator[None]:
+            yield
+
+    def __init__(self) -> None:
+        self.published: list[tuple[Any, dict[str, Any]]] = []
+
+    def publish(self, body: Any, **options: Any) -> None:
+        self.published.append((body, options))
+
+
+def _send_task(app: Celery, args: list[Any]) -> tuple[Any, dict[str, Any]]:
+    producer = _Producer()
+    app.send_task(TASK, args=args, task_id="t-1", producer=producer)
+    [published] = producer.published
+    return published
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("conf", ROUTES.values(), ids=ROUTES.keys())
+def test_a_task_is_routed_where_send_task_sends_it(conf: dict[str, object]) -> None:
+    app = _celery_app(**conf)
+    args = [{"routed": True}]
+    _body, sent = _send_task(app, args)
+    exchange = getattr(sent["exchange"], "name", sent["exchange"])
+    mode = sent["delivery_mode"]
+    theirs = (
+        exchange or "",
+        sent["routing_key"] or "",
+        {"transient": 1, "persistent": 2}.get(mode, mode),
+        [queue.name for queue in sent["declare"] or []],
+        sent["serializer"],
+        sent["compression"],
+        sent.get("priority"),
+    )
+    route = compat_celery.route(app, TASK, args)
+    ours = (
+        route.exchange,
+        route.routing_key,
+        route.delivery_mode,
+        [route.queue.name] if route.queue is not None else [],
+        route.serializer,
+        route.compression,
+        route.priority,
+    )
+    celery_requires(ours == theirs, f"send_task() publishes {theirs}, route() says {ours}", ROUTER)
+
+
+@pytest.mark.once
+def test_only_name_routes_are_map_routes() -> None:
+    """A route kept per task name must not depend on the arguments."""
+    by_name = [_celery_app(), _celery_app(**ROUTES["a pattern"])]
+    by_function = _celery_app(**ROUTES["a router function"])
+    celery_requires(
+        all(compat_celery.routes_by_name(app) for app in by_name)
+        and not compat_celery.routes_by_name(by_function),
+        "task_routes of names and patterns are not all MapRoute, or a function is one",
+        "celery/app/routes.py (prepare(), MapRoute)",
+    )
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_a_task_message_is_the_one_send_task_writes(serializer: str) -> None:
+    """Protocol v2 as Celery writes it: the same body, the same values for the headers
+    written (the others are the worker's defaults), the same content type."""
+    app = _celery_app(task_serializer=serializer)
+    args = [{"event_id": "t-1", "payload": {"total": "12.50"}}]
+    route = compat_celery.route(app, TASK, args)
+    message = compat_celery.task_message(
+        TASK,
+        "t-1",
+        route,
+        args=lambda: args,
+        json_args=lambda: json.dumps(args).encode(),
+        argsrepr="(<event>,)",
+        origin=compat_celery.origin(),
+    )
+    headers, properties, body, _ = app.amqp.as_task_v2(
+        "t-1", TASK, args=args, kwargs={}, argsrepr="(<event>,)", kwargsrepr="{}"
+    )
+    content_type, encoding, data = kombu_dumps(body, serializer=serializer)
+
+    def decoded(raw: bytes | str) -> Any:
+        return kombu_loads(raw, content_type, encoding, accept=[content_type])
+
+    celery_requires(
+        (message.content_type, message.content_encoding) == (content_type, encoding)
+        and decoded(message.body) == decoded(data),
+        "the body [args, kwargs, embed] differs from as_task_v2()'s, as kombu encodes it",
+        MESSAGE,
+    )
+    written = {name: headers.get(name) for name in message.headers}
+    celery_requires(
+        written == message.headers and message.correlation_id == properties["correlation_id"],
+        f"headers {message.headers} written, as_task_v2() writes {written}",
+        MESSAGE,
+    )
+    left_out = {name: value for name, value in headers.items() if name not in message.headers}
+    celery_requires(
+        {"lang", "task", "id", "root_id", "parent_id", "group"} <= set(message.headers)
+        and left_out.pop("ignore_result") is False
+        and left_out
+        == {
+            "shadow": None,
+            "eta": None,
+            "expires": None,
+            "group_index": None,
+            "retries": 0,
+            "timelimit": [None, None],
+            "replaced_task_nesting": 0,
+            "stamped_headers": None,
+            "stamps": {},
+        },
+        f"a header left to the worker's default is not the default send_task() writes: {left_out}",
+        MESSAGE,
+    )
+
+
+@pytest.mark.once
+def test_the_publish_signals_get_what_send_task_gives_them() -> None:
+    """Instrumentation reads them: OpenTelemetry's Celery instrumentation finds the task id
+    of after_task_publish in its headers."""
+    app = _celery_app(**ROUTES["a queue on a topic exchange"])
+    args = [{"routed": True}]
+    received: list[tuple[str, dict[str, Any]]] = []
+
+    def receiver(signal: Any, sender: str, **kwargs: Any) -> None:
+        received.append((signal.name, kwargs))
+
+    signals.before_task_publish.connect(receiver)
+    signals.after_task_publish.connect(receiver)
+    try:
+        _send_task(app, args)
+        theirs, received[:] = list(received), []
+        compat_celery.task_message(
+            TASK,
+            "t-1",
+            compat_celery.route(app, TASK, args),
+            args=lambda: args,
+            json_args=lambda: json.dumps(args).encode(),
+            argsrepr="(<event>,)",
+            origin=compat_celery.origin(),
+        )
+        ours = list(received)
+    finally:
+        signals.before_task_publish.disconnect(receiver)
+        signals.after_task_publish.disconnect(receiver)
+
+    def shape(sent: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, list[str], Any]]:
+        return [
+            (name, sorted(kwargs), (kwargs["exchange"], kwargs["routing_key"], kwargs["body"][0]))
+            for name, kwargs in sent
+        ]
+
+    celery_requires(
+        shape(ours) == shape(theirs),
+        f"send_task() sends {shape(theirs)}, task_message() {shape(ours)}",
+        SIGNALS,
+    )
+    celery_requires(
+        all(kwargs["headers"]["id"] == "t-1" for _name, kwargs in ours),
+        "a publish signal's headers do not name the task",
+        SIGNALS,
+    )
+
+
+@pytest.mark.once
+def test_the_origin_is_the_one_as_task_v2_writes() -> None:
+    headers = _celery_app().amqp.as_task_v2("t-1", TASK)[0]
+    celery_requires(
+        headers["origin"] == compat_celery.origin(),
+        f"as_task_v2() names this process {headers['origin']!r}, "
+        f"origin() {compat_celery.origin()!r}",
+        "celery.utils.nodenames.anon_nodename()",
+    )
 
 
 # -- Django ----------------------------------------------------------------------------------

@@ -111,6 +111,8 @@ def _destination(app: celery.Celery, route: dict[str, Any]) -> tuple[str, str, i
     exchange_type = route.get("exchange_type")
     delivery_mode = route.get("delivery_mode")
     if isinstance(exchange, Exchange):
+        # Its own type, where send_task_message() reads only a queue's exchange's: Celery
+        # would send a route's fanout Exchange to the default exchange, which drops it.
         exchange_type = exchange_type or exchange.type
         exchange = exchange.name
     qname = queue
@@ -198,7 +200,11 @@ def task_message(
         if body is None:
             body = (args(), {}, dict(EMBED))
         signals.after_task_publish.send(
-            sender=name, body=body, exchange=route.exchange, routing_key=route.routing_key
+            sender=name,
+            body=body,
+            headers=headers,
+            exchange=route.exchange,
+            routing_key=route.routing_key,
         )
     return TaskMessage(
         body=data if isinstance(data, bytes) else data.encode(),
