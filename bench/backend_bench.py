@@ -66,11 +66,11 @@ def backend_rate(count: int, *, url: str, batch_size: int, exchange: str | None 
     return publish_rate(backend, batches)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="100,500", help="comma-separated batch sizes")
     p.add_argument("--profile", action="store_true", help="cProfile the first batch size")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     setup_django()
     count = count_from(args)
     sizes = [int(s) for s in args.batch_sizes.split(",")]

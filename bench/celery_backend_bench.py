@@ -103,10 +103,10 @@ def raw_kombu_rate(count: int, *, url: str) -> float:
     return count / t.seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0], default_count=5000)
     p.add_argument("--batch-size", type=int, default=100, help="events per publish() call")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     setup_django()
     count, size = count_from(args), args.batch_size
     # PikaBackend and the Celery backend take turns within each repeat, in the opposite

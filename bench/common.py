@@ -3,6 +3,9 @@
 Conventions (every script in bench/ follows them):
 
 * run from the repository root as a module: ``python -m bench.raw_pika [--smoke]``;
+  ``python -m bench --smoke`` runs every script's smoke run in one interpreter (CI), so a
+  script's ``main(argv)`` must run after another's in the same process: Django is then set
+  up already, and :func:`use_database` points it at the script's own database;
 * ``--smoke`` runs a few hundred messages: it proves the script works (CI, after a change),
   the figure it prints means nothing;
 * ``--count N`` sets the number of messages, ``--url`` the broker (default ``AMQP_URL`` or
@@ -28,6 +31,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit
+
+from django_outbox.masking import mask_url
 
 DEFAULT_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 SMOKE_COUNT = 300
@@ -284,6 +290,28 @@ def analyze() -> None:
         )
         if connection.vendor != "postgresql":
             cursor.fetchall()
+
+
+def use_database(url: str) -> None:
+    """Point this process's default database at the database ``url`` names.
+
+    For a script that runs after another in the same interpreter (``python -m bench``):
+    Django keeps the settings it was set up with, and only the database name changes (the
+    server must be the same; a fresh database of the script's own, as
+    ``relay_bench.bench_database()`` makes). As Django's test runner does with its test
+    database.
+    """
+    from django.conf import settings
+    from django.db import connections
+
+    schemes = {"postgresql": ("postgres",), "mysql": ("mysql", "mariadb")}
+    vendor = connections["default"].vendor
+    if not urlsplit(url).scheme.startswith(schemes.get(vendor, (vendor,))):
+        raise SystemExit(f"{mask_url(url)} is not on the {vendor} server Django was set up with")
+    name = urlsplit(url).path.lstrip("/")
+    connections.close_all()
+    settings.DATABASES["default"]["NAME"] = name
+    connections["default"].settings_dict["NAME"] = name
 
 
 def setup_django(settings_module: str | None = None) -> None:

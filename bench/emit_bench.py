@@ -423,7 +423,7 @@ def run_writers(writers: int, seconds: float, rounds: int, database: str) -> Non
 PARTS = ("cost", "block", "writers", "tracing")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--database", choices=sorted(SERVERS), default="postgres")
     p.add_argument("--database-url", default=None, help="the server (its database is unused)")
@@ -433,7 +433,7 @@ def main() -> None:
     p.add_argument("--writers", type=int, default=8, help="writers: concurrent processes")
     p.add_argument("--writer-seconds", type=float, default=3.0, help="writers: per round")
     p.add_argument("--writer-rounds", type=int, default=3, help="writers: rounds on and off")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.rounds, args.per_round, args.writer_seconds, args.writer_rounds = 2, 5, 0.5, 1
     parts = PARTS if args.part == "all" else (args.part,)

@@ -55,9 +55,12 @@ def setup_database() -> tuple[Any, str]:
     root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(root / "testproject")]
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
-    os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings"
     import django
+    from django.apps import apps
     from django.conf import settings
+
+    if not apps.ready:  # alone; after another bench (python -m bench) Django keeps its own
+        os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings"
 
     name = f"bench_ordered_{uuid.uuid4().hex[:8]}"
     if "sqlite" in settings.DATABASES["default"]["ENGINE"]:
@@ -138,7 +141,7 @@ def drain_rate(
     return count / t.seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--aggregates", type=int, default=1000)
     p.add_argument("--events", type=int, default=20, help="events per aggregate")
@@ -150,7 +153,7 @@ def main() -> None:
     p.add_argument(
         "--behind", type=int, default=0, help="events queued behind the hot aggregate's drain"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.aggregates, args.events, args.hot = (
             SMOKE["aggregates"],

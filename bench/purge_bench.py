@@ -330,7 +330,7 @@ def print_run(title: str, figures: dict[str, float], counts: str) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0], default_count=1_000_000)
     p.add_argument("--emitter", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--young", type=int, default=None, help="recent SENT rows kept (count/10)")
@@ -348,7 +348,7 @@ def main() -> None:
         help="MariaDB: DATABASES OPTIONS isolation_level of both processes "
         "(default: the demo's 'read committed')",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.emitter:
         emitter(args.rate)
         return

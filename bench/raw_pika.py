@@ -180,12 +180,12 @@ def raw_pika_rate(
     return _Publisher(url, exchange, count, window, batch_size, coalesce).run()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="messages in flight")
     p.add_argument("--batch-size", type=int, default=None, help="wait per batch instead")
     p.add_argument("--coalesce", action="store_true", help="one socket write per refill")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     count = count_from(args)
     print(f"body {len(sample_body())} bytes, {count} messages, {mask_url(args.url)}")
     rate = best_of(

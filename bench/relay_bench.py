@@ -57,6 +57,7 @@ from bench.common import (
     parser,
     proc_status_kib,
     report,
+    use_database,
 )
 from bench.raw_pika import raw_pika_rate
 from django_outbox.masking import mask_url
@@ -155,8 +156,13 @@ def setup_django(database_url: str, exchange: str, amqp_url: str) -> dict[str, s
         {k: env[k] for k in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "BENCH_EXCHANGE")}
     )
     import django
+    from django.apps import apps
+    from django.conf import settings
     from django.core.management import call_command
 
+    if apps.ready:  # after another bench in this interpreter (python -m bench)
+        use_database(database_url)
+        settings.OUTBOX_EXCHANGE = exchange
     django.setup()
     call_command("migrate", verbosity=0)
     return env
@@ -494,7 +500,7 @@ def measure_latency(relay: RelayChild, rate: float, seconds: float, producers: i
 
 
 # -- the run ---------------------------------------------------------------------------------
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--database", choices=sorted(SERVERS), default="postgres")
     p.add_argument("--database-url", default=None, help="the server (its database is unused)")
@@ -509,7 +515,7 @@ def main() -> None:
         "which has no NOTIFY to wake it)",
     )
     p.add_argument("--profile", default=None, help="run the relay under cProfile, to this file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     count = count_from(args)
     seconds = SMOKE_SECONDS if args.smoke else args.seconds
     server = server_url(args.database, args.database_url)

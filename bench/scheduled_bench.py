@@ -144,13 +144,13 @@ def measure(label: str, args: argparse.Namespace) -> None:
     print(f"  claim plan:\n{plan}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script runs")
     p.add_argument("--scheduled", type=int, default=100_000)
     p.add_argument("--due", type=int, default=5000)
     p.add_argument("--batch-size", type=int, default=100)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         args.scheduled, args.due = SMOKE["scheduled"], SMOKE["due"]
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
