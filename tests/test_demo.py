@@ -139,6 +139,10 @@ def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor, message_for
     the relays publishing native messages or CloudEvents for consume_outbox to read; also
     with AMQP_URL naming two nodes, the first of which does not answer: the demo, its
     relays and consume_outbox all connect to the second."""
+    if (message_format, nodes) != ("native", "one") and db_vendor != "postgresql":
+        # What changes here is the broker's side: the story runs on every database, and
+        # its variations on PostgreSQL's (scripts/test runs every database in turn).
+        pytest.skip("the message format and the broker nodes vary on PostgreSQL only")
     url = amqp_url
     if nodes != "one":
         with socket.socket() as s:
