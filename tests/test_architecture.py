@@ -278,3 +278,16 @@ def test_the_status_is_defined_once_and_imports_nothing_of_the_app():
 def test_broker_and_task_libraries_are_imported_only_where_they_are_used(library):
     users = {_short(m) for m, tops in external_imports().items() if library in tops}
     assert {user for user in users if not _matches(user, LIBRARIES[library])} == set()
+
+
+#: A module past this many lines holds more than one job: split it by job (issue 27).
+MAX_MODULE_LINES = 800
+
+
+def test_no_module_is_over_800_lines():
+    long = {
+        name: lines
+        for name, path in _package_files().items()
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}, "split these by job (docs/architecture.md): " + ", ".join(long)
