@@ -59,10 +59,13 @@ if TYPE_CHECKING:
     from .models import OutboxEvent
 
 __all__ = [
+    "AMQP_BINDING",
     "CLOUDEVENTS",
     "CLOUDEVENTS_STRUCTURED",
     "FORMATS",
     "NATIVE",
+    "NATS_BINDING",
+    "Binding",
     "MessageFormat",
     "default_source",
     "get_format",
@@ -80,9 +83,30 @@ class MessageFormat:
     encode_headers: Callable[[OutboxEvent], dict[str, Any]]
 
 
-def get_format(name: str | None = None, *, source: str | None = None) -> MessageFormat:
+@dataclass(frozen=True)
+class Binding:
+    """Where a CloudEvents protocol binding puts an event's attributes in binary mode."""
+
+    #: The prefix of the attribute headers.
+    prefix: str
+    #: ``datacontenttype`` is an attribute header too (NATS), not only the protocol's own
+    #: content type (AMQP).
+    datacontenttype: bool = False
+
+
+#: The AMQP binding (RabbitMQ, Celery): ``cloudEvents:`` headers.
+AMQP_BINDING = Binding(CLOUDEVENTS_PREFIX)
+#: The NATS binding: ``ce-`` headers, ``ce-datacontenttype`` among them (a transport whose
+#: header values are text percent-encodes them: message.encode_text_headers()).
+NATS_BINDING = Binding("ce-", datacontenttype=True)
+
+
+def get_format(
+    name: str | None = None, *, source: str | None = None, binding: Binding = AMQP_BINDING
+) -> MessageFormat:
     """The format named ``name`` (default: OUTBOX_MESSAGE_FORMAT), its CloudEvents
-    ``source`` from ``source`` (default: :func:`default_source`)."""
+    ``source`` from ``source`` (default: :func:`default_source`), its binary mode's
+    attribute headers as ``binding`` says (default: the AMQP binding's)."""
     name = outbox_settings.MESSAGE_FORMAT if name is None else name
     if name == NATIVE:
         return _NATIVE
@@ -93,11 +117,14 @@ def get_format(name: str | None = None, *, source: str | None = None) -> Message
     source = default_source() if source is None else source
     attributes = _attributes_function(source)
     if name == CLOUDEVENTS:
+        prefix = binding.prefix
 
         def binary_headers(event: OutboxEvent) -> dict[str, Any]:
             headers = encode_headers(event)
             for attribute, value in attributes(event).items():
-                headers[CLOUDEVENTS_PREFIX + attribute] = value
+                headers[prefix + attribute] = value
+            if binding.datacontenttype:
+                headers[prefix + "datacontenttype"] = CONTENT_TYPE
             return headers
 
         return MessageFormat(name, CONTENT_TYPE, encode_body, binary_headers)

@@ -36,11 +36,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.utils.dateparse import parse_datetime
@@ -121,6 +124,80 @@ def encode_headers(event: OutboxEvent) -> dict[str, Any]:
     if getattr(event, "replay_count", 0):
         headers[REPLAY_HEADER] = event.replay_count
     return headers
+
+
+# -- text headers (NATS): every value a string ---------------------------------------------
+#: A NATS message's event_type (what AMQP carries in its ``type`` property).
+TYPE_HEADER = "x-outbox-type"
+#: The names of a NATS message's headers whose values are JSON, ``,`` between them: an
+#: event's own header that is not text (a number, a list) keeps its type on the way.
+JSON_HEADERS = "x-outbox-json"
+#: The relay's headers whose values are integers: written as digits, which :func:`decode`
+#: reads as integers, whatever the transport.
+INTEGER_HEADERS = frozenset({"attempt", "sequence", "previous_sequence", REPLAY_HEADER})
+# What a header value may carry as it is: printable US-ASCII but space, '"' and '%', the
+# characters the CloudEvents NATS binding percent-encodes (every other one is encoded).
+_HEADER_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"%')
+_NEEDS_ESCAPE = re.compile(f"[^{re.escape(_HEADER_SAFE)}]")
+
+
+def escape_header_value(value: str) -> str:
+    """``value`` as a text header's value: percent-encoded as the CloudEvents NATS protocol
+    binding says (space, ``"``, ``%`` and every character outside printable US-ASCII, as
+    its UTF-8 bytes), so that any client reads it back whole."""
+    if _NEEDS_ESCAPE.search(value) is None:
+        return value
+    return quote(value, safe=_HEADER_SAFE)
+
+
+def unescape_header_value(value: str) -> str:
+    """The value :func:`escape_header_value` encoded (a double-quoted value, which older
+    CloudEvents senders wrote, is unquoted first); a value that is not valid percent-encoded
+    UTF-8 comes back as it is."""
+    if len(value) > 1 and value[0] == value[-1] == '"':
+        value = re.sub(r"\\(.)", r"\1", value[1:-1])
+    if "%" not in value:
+        return value
+    try:
+        return unquote(value, errors="strict")
+    except UnicodeDecodeError:
+        return value
+
+
+def encode_text_headers(headers: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``headers`` (:func:`encode_headers`' or a format's) as name and text pairs, for a
+    transport whose header values are text: the relay's integers as digits, any other
+    value that is not text as JSON (its name listed in :data:`JSON_HEADERS`), each value
+    escaped (:func:`escape_header_value`)."""
+    pairs: list[tuple[str, str]] = []
+    typed: list[str] = []
+    for name, value in headers.items():
+        if not isinstance(value, str):
+            if name in INTEGER_HEADERS and type(value) is int:
+                value = str(value)
+            else:
+                typed.append(name)
+                value = _BODY_ENCODER.encode(value)
+        pairs.append((name, escape_header_value(value)))
+    if typed:
+        pairs.append((JSON_HEADERS, ",".join(typed)))
+    return pairs
+
+
+def decode_text_headers(headers: Mapping[str, str]) -> dict[str, Any]:
+    """What :func:`encode_text_headers` wrote, read back: each value unescaped, the ones
+    listed in :data:`JSON_HEADERS` parsed (a value that is not JSON stays text)."""
+    typed = set(filter(None, str(headers.get(JSON_HEADERS, "")).split(",")))
+    decoded: dict[str, Any] = {}
+    for name, value in headers.items():
+        if name == JSON_HEADERS:
+            continue
+        text = unescape_header_value(value) if isinstance(value, str) else value
+        if name in typed:
+            with contextlib.suppress(TypeError, ValueError, RecursionError):
+                text = json.loads(text)
+        decoded[name] = text
+    return decoded
 
 
 def encode_task_envelope(event: OutboxEvent) -> dict[str, Any]:

@@ -563,3 +563,58 @@ def test_the_celery_backends_plain_messages_follow_the_format(broker, settings):
         rows[0].event_id,
         rows[0].payload,
     )
+
+
+# -- text headers and the NATS binding ---------------------------------------------------------
+@pytest.mark.once
+def test_the_nats_binding_writes_ce_headers_with_datacontenttype():
+    from django_outbox.formats import NATS_BINDING
+
+    event = wire_rows(1)[0]
+    headers = get_format("cloudevents", source="/orders", binding=NATS_BINDING).encode_headers(
+        event
+    )
+    assert headers["ce-id"] == event.event_id
+    assert headers["ce-source"] == "/orders"
+    assert headers["ce-datacontenttype"] == "application/json"
+    assert not any(name.startswith("cloudEvents:") for name in headers)
+    # The AMQP binding is unchanged: the content type is AMQP's own property.
+    amqp = get_format("cloudevents", source="/orders").encode_headers(event)
+    assert "cloudEvents:datacontenttype" not in amqp
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("value", "written"),
+    [
+        ("plain", "plain"),
+        ("Euro € 😀", "Euro%20%E2%82%AC%20%F0%9F%98%80"),  # the binding's own example
+        ("100%", "100%25"),
+        ("two\r\nlines", "two%0D%0Alines"),
+        ('"quoted"', "%22quoted%22"),
+    ],
+)
+def test_a_text_header_value_is_percent_encoded_as_the_nats_binding_says(value, written):
+    assert message.escape_header_value(value) == written
+    assert message.unescape_header_value(written) == value
+
+
+@pytest.mark.once
+def test_text_headers_keep_each_value_s_type():
+    headers = {"attempt": 2, "sequence": 41, "tenant": 5, "flags": [1, "a"], "ok": True}
+    headers["note"] = "ä b"
+    pairs = message.encode_text_headers(headers)
+    assert all(isinstance(value, str) for _, value in pairs)
+    assert dict(pairs)["x-outbox-json"] == "tenant,flags,ok"
+    decoded = message.decode_text_headers(dict(pairs))
+    # attempt and sequence stay digits: decode() reads them as integers on every transport.
+    assert decoded == {**headers, "attempt": "2", "sequence": "41"}
+    event = decode(Delivery(b"{}", message_id="e", message_type="T", headers=decoded))
+    assert (event.attempt, event.sequence, event.headers["tenant"]) == (2, 41, 5)
+
+
+@pytest.mark.once
+def test_a_value_that_is_not_valid_percent_encoding_is_read_as_it_is():
+    assert message.unescape_header_value("50%off") == "50%off"
+    assert message.unescape_header_value("%C0%A0") == "%C0%A0"  # overlong UTF-8: refused
+    assert message.unescape_header_value('"a\\"b"') == 'a"b'
