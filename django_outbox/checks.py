@@ -49,6 +49,9 @@ class Codes:
     INBOX_RETENTION_SHORT = "django_outbox.E025"
     # Reported by backends.pika.PikaBackend.check() for each URL:
     BROKER_URL_ENCODING = "django_outbox.E026"
+    # NATS JetStream, reported by backends.nats.NatsBackend.check():
+    NATS_DUPLICATE_WINDOW = "django_outbox.E030"
+    NATS_STREAM = "django_outbox.E031"
     # Several databases:
     ROUTED_UNMIGRATED = "django_outbox.W001"
     UNKNOWN_ALIAS = "django_outbox.W002"
@@ -115,6 +118,13 @@ class Messages:
         "django_outbox's migrations there: migrate never creates the outbox table on it."
     )
     UNKNOWN_ALIAS = "{where} names database {alias!r}, which is not in DATABASES."
+    NATS_DUPLICATE_WINDOW = (
+        "OUTBOX_NATS_DUPLICATE_WINDOW ({window:g} s) must be longer than "
+        "OUTBOX_LEASE_SECONDS ({lease:g} s): a relay killed before it settled a batch leaves "
+        "its rows to be published again once their lease runs out, and JetStream drops the "
+        "second copy only while it remembers the first."
+    )
+    NATS_STREAM = "{name} is {value!r}: {problem}."
 
 
 class Hints:
@@ -194,6 +204,15 @@ class Hints:
         "then run `manage.py migrate django_outbox --database {alias}`."
     )
     UNKNOWN_ALIAS = "Use one of {known}, or add {alias!r} to DATABASES."
+    NATS_DUPLICATE_WINDOW = (
+        "Set OUTBOX_NATS_DUPLICATE_WINDOW to at least twice the lease, e.g. "
+        "OUTBOX_NATS_DUPLICATE_WINDOW = {window:g}."
+    )
+    NATS_STREAM = (
+        "Set OUTBOX_NATS_STREAM to a name without spaces, '.', '*', '>' or slashes (e.g. "
+        "'OUTBOX'), OUTBOX_NATS_SUBJECTS to a list of subjects (e.g. ['outbox.>']) and "
+        "OUTBOX_NATS_REPLICAS to 1, 3 or 5."
+    )
 
 
 #: Settings that must be positive: name without the prefix, and whether whole numbers only.

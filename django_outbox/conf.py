@@ -243,6 +243,26 @@ class OutboxSettings:
         "Map of event_type to Celery task name; other types go to OUTBOX_EXCHANGE as messages.",
     )
 
+    # --- NATS JetStream (nats:// and tls:// broker URLs; docs/transports.md) -------------
+    NATS_STREAM: Setting[str] = Setting(
+        "OUTBOX",
+        "JetStream stream the relay publishes into and consumers read: declared at start when "
+        "missing, verified (never changed) when it exists.",
+    )
+    NATS_SUBJECTS: Setting[list[str]] = Setting(
+        [],
+        "Subjects of the stream when the relay declares it ([] = '<OUTBOX_EXCHANGE>.>'); an "
+        "event is published to '<OUTBOX_EXCHANGE>.<routing key>'.",
+    )
+    NATS_REPLICAS: Setting[int] = Setting(
+        1, "Replicas of the stream when the relay declares it (3 on a cluster of three nodes)."
+    )
+    NATS_DUPLICATE_WINDOW: Setting[float] = Setting(
+        120.0,
+        "Seconds JetStream remembers an event_id (Nats-Msg-Id) to drop a republished event; "
+        "longer than OUTBOX_LEASE_SECONDS.",
+    )
+
     # --- compensation, dead letters, purge -----------------------------------------------
     COMPENSATE_STALE_AFTER: Setting[float] = Setting(
         600.0, "compensate_outbox takes only PENDING rows created at least this long ago (s)."

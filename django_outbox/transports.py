@@ -1,7 +1,8 @@
 """The brokers the outbox talks to, and which one a broker URL names: the one table of them.
 
 ``OUTBOX_BROKER_URL``'s scheme picks the transport: the relay's backend and the consumer's
-loop (``amqp://`` and ``amqps://``: RabbitMQ through pika). ``OUTBOX_BACKEND``, when set,
+loop (``amqp://`` and ``amqps://``: RabbitMQ through pika; ``nats://`` and ``tls://``:
+NATS JetStream through nats-py). ``OUTBOX_BACKEND``, when set,
 still chooses the relay's backend (Celery, locmem, console, your own). A transport whose
 client library is an optional extra is imported only when it is used, and a missing
 library says which extra to install.
@@ -42,13 +43,21 @@ class Transport:
     def load(self, path: str) -> Any:
         """Import ``path`` (its backend or consumer), saying which extra to install when the
         client library is missing."""
-        if self.client and importlib.util.find_spec(self.client) is None:
-            raise ImportError(
-                f"The {self.name} transport ({', '.join(s + '://' for s in self.schemes)} "
-                f"broker URLs) needs the {self.client} package; install it with `pip install "
-                f"'django-transactional-outbox[{self.extra}]'`."
-            )
+        problem = self.missing()
+        if problem:
+            raise ImportError(problem)
         return import_string(path)
+
+    def missing(self) -> str:
+        """Why the transport cannot be used here (its client library is not installed, and
+        the extra to install); ``""`` when it can. A backend module says it when imported."""
+        if not self.client or importlib.util.find_spec(self.client) is not None:
+            return ""
+        return (
+            f"The {self.name} transport ({', '.join(s + '://' for s in self.schemes)} "
+            f"broker URLs) needs the {self.client} package; install it with `pip install "
+            f"'django-transactional-outbox[{self.extra}]'`."
+        )
 
 
 AMQP = Transport(
@@ -57,8 +66,16 @@ AMQP = Transport(
     backend="django_outbox.backends.pika.PikaBackend",
     consumer="django_outbox.consumer.amqp.Consumer",
 )
+NATS = Transport(
+    "nats",
+    ("nats", "tls"),
+    backend="django_outbox.backends.nats.NatsBackend",
+    consumer="django_outbox.consumer.nats.Consumer",
+    extra="nats",
+    client="nats",
+)
 #: Every transport, the default (RabbitMQ) first.
-TRANSPORTS: tuple[Transport, ...] = (AMQP,)
+TRANSPORTS: tuple[Transport, ...] = (AMQP, NATS)
 
 
 class UnknownTransport(ValueError):

@@ -17,16 +17,23 @@ from tests.utils.proxy import TcpProxy
 if TYPE_CHECKING:
     from django.test import Client
 
+    from tests.utils.nats import NatsBroker
     from tests.utils.packaging import Dist
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 
 START_HINTS = {
     "rabbitmq": "start it with `rabbitmq-server -detached` (or set AMQP_URL)",
     "rabbitmq-management": "enable it with `rabbitmq-plugins enable rabbitmq_management`",
     "postgresql": (
         "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`"
+    ),
+    "nats": (
+        "start it with `start-stop-daemon --start --oknodo --background --exec "
+        "/usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server` (or set "
+        "NATS_URL)"
     ),
     "mariadb": (
         "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`"
@@ -120,6 +127,30 @@ def superuser_client() -> Client:
     from tests.utils.admin import superuser_client
 
     return superuser_client()
+
+
+@pytest.fixture
+def nats_url() -> str:
+    require_service("nats", NATS_URL, 4222)
+    return NATS_URL
+
+
+@pytest.fixture
+def nats_broker(nats_url: str) -> Iterator[NatsBroker]:
+    """This test's own stream (and dead-letter stream) on the real NATS, deleted afterwards."""
+    from tests.utils.nats import NatsBroker
+
+    b = NatsBroker(nats_url)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def nats_proxied(nats_broker: NatsBroker) -> Iterator[tuple[TcpProxy, str]]:
+    """A TcpProxy in front of NATS, and the URL that goes through it."""
+    proxy, url = TcpProxy.for_url(nats_broker.url)
+    yield proxy, url
+    proxy.close()
 
 
 @pytest.fixture(autouse=True)

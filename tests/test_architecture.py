@@ -71,6 +71,8 @@ LIBRARIES = {
     "celery": {"backends.celery", "_compat.celery", "celery", "tasks"},
     # What the Celery backend asks of kombu rests on Celery's internals (_compat/celery.py).
     "kombu": {"_compat.celery"},
+    # The nats extra: the relay backend and the consumer transport only.
+    "nats": {"backends.nats", "consumer.nats"},
     # The otel extra: emit(), the relay and the consumers call tracing, which alone imports it.
     "opentelemetry": {"tracing"},
 }
