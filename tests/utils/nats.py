@@ -34,6 +34,7 @@ class NatsBroker:
         self.suffix = uuid.uuid4().hex[:10]
         self.stream = f"TEST_{self.suffix}"
         self.prefix = f"test-{self.suffix}"
+        self.exchange = self.prefix  # what the fault harness names the subjects' prefix
         self.queue = f"q-{self.suffix}.consumer"
         self.dlq = f"{self.queue}.dlq"
         self._loop = LoopThread("test-nats")
