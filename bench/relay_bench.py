@@ -23,9 +23,13 @@ own exchange and queue (deleted afterwards):
    index growth and WAL bytes/records/full-page images (``pg_stat_*``); on MariaDB the
    redo log.
 
-    python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3]
+    python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3] [--transport nats]
         [--database postgres|mariadb] [--rate 500] [--seconds 10] [--producers 4] [--batch-size N]
         [--profile relay.prof]
+
+``--transport nats`` runs the same on NATS JetStream (``--url``, default ``$NATS_URL``):
+the baseline is nats-py's best asynchronous JetStream publish awaiting every ack
+(``bench.raw_nats``), the relay publishes into a throwaway stream.
 
 With ``--repeat R`` every measurement runs R times; each run's lines are printed and the
 medians last. The server comes from ``--database-url``, else ``PG_URL``/``MARIADB_URL``,
@@ -50,6 +54,7 @@ from typing import Any, TextIO
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from bench.common import (
+    DEFAULT_URL,
     CpuMeter,
     analyze,
     count_from,
@@ -59,6 +64,7 @@ from bench.common import (
     report,
     use_database,
 )
+from bench.raw_nats import DEFAULT_NATS_URL, bench_stream, best_raw_nats_rate, purge_stream
 from bench.raw_pika import raw_pika_rate
 from django_outbox.masking import mask_url
 
@@ -136,12 +142,16 @@ def bench_database(url: str) -> Iterator[str]:
         admin.close()
 
 
-def setup_django(database_url: str, exchange: str, amqp_url: str) -> dict[str, str]:
+def setup_django(
+    database_url: str, exchange: str, amqp_url: str, transport: str = "amqp"
+) -> dict[str, str]:
     """Configure Django in this process; return the environment of the relay child."""
     for path in (str(ROOT), str(ROOT / "testproject")):
         if path not in sys.path:
             sys.path.insert(0, path)
     env = dict(os.environ)
+    if transport == "nats":
+        env.update(BENCH_TRANSPORT="nats", BENCH_BROKER_URL=amqp_url, BENCH_NATS_STREAM=exchange)
     env.update(
         DJANGO_SETTINGS_MODULE="bench.settings",
         DATABASE_URL=database_url,
@@ -153,7 +163,18 @@ def setup_django(database_url: str, exchange: str, amqp_url: str) -> dict[str, s
         PYTHONUNBUFFERED="1",
     )
     os.environ.update(
-        {k: env[k] for k in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "BENCH_EXCHANGE")}
+        {
+            k: env[k]
+            for k in (
+                "DJANGO_SETTINGS_MODULE",
+                "DATABASE_URL",
+                "BENCH_EXCHANGE",
+                "BENCH_TRANSPORT",
+                "BENCH_BROKER_URL",
+                "BENCH_NATS_STREAM",
+            )
+            if k in env
+        }
     )
     import django
     from django.apps import apps
@@ -252,8 +273,8 @@ def last_sent_at() -> float:
     return float(value.timestamp())
 
 
-def clear_outbox(amqp_url: str, queue: str) -> None:
-    """Empty the table and the bench queue so every run starts alike."""
+def clear_outbox(amqp_url: str, queue: str, transport: str = "amqp") -> None:
+    """Empty the table and the bench queue (or stream) so every run starts alike."""
     import pika
     from django.db import connection
 
@@ -263,6 +284,9 @@ def clear_outbox(amqp_url: str, queue: str) -> None:
     # until a vacuum, and each run would claim through more of them than the one before.
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE TABLE {connection.ops.quote_name(OutboxEvent._meta.db_table)}")
+    if transport == "nats":
+        purge_stream(amqp_url, queue)
+        return
     broker = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
         broker.channel().queue_purge(queue)
@@ -406,6 +430,7 @@ class WriteMeter:
 
 
 BROKER_PROCESS = ["-x", "beam.smp"]  # a local RabbitMQ
+BROKER_PROCESSES = {"amqp": BROKER_PROCESS, "nats": ["-x", "nats-server"]}
 DATABASE_PROCESS = {"postgres": ["-x", "postgres"], "mariadb": ["-x", "mariadbd"]}
 
 
@@ -518,7 +543,24 @@ def main(argv: list[str] | None = None) -> None:
         "which has no NOTIFY to wake it)",
     )
     p.add_argument("--profile", default=None, help="run the relay under cProfile, to this file")
+    p.add_argument(
+        "--transport",
+        choices=["amqp", "nats"],
+        default="amqp",
+        help="the broker: RabbitMQ (default) or NATS JetStream (--url default $NATS_URL)",
+    )
     args = p.parse_args(argv)
+    nats = args.transport == "nats"
+    if nats and args.url == DEFAULT_URL:
+        args.url = DEFAULT_NATS_URL
+    broker_process = BROKER_PROCESSES[args.transport]
+
+    def raw_rate() -> float:
+        if nats:
+            return best_raw_nats_rate(count, url=args.url)
+        return raw_pika_rate(count, url=args.url)
+
+    baseline_name = "raw nats-py (best window)" if nats else "raw pika (window 1000)"
     count = count_from(args)
     seconds = SMOKE_SECONDS if args.smoke else args.seconds
     server = server_url(args.database, args.database_url)
@@ -536,11 +578,13 @@ def main(argv: list[str] | None = None) -> None:
 
     from bench.common import bench_exchange
 
-    with (
-        bench_database(server) as database_url,
-        bench_exchange(args.url, prefix="bench.relay") as exchange,
-    ):
-        env = setup_django(database_url, exchange, args.url)
+    broker = (
+        bench_stream(args.url, prefix="BENCH_RELAY")
+        if nats
+        else bench_exchange(args.url, prefix="bench.relay")
+    )
+    with bench_database(server) as database_url, broker as exchange:
+        env = setup_django(database_url, exchange, args.url, args.transport)
         relay = RelayChild(env, relay_args, args.profile)
         code = 1
         try:
@@ -548,19 +592,19 @@ def main(argv: list[str] | None = None) -> None:
             # RabbitMQ publishes faster after its first run of this size (seen: raw pika
             # 11k -> 15k -> 18k events/s over three runs): one unmeasured round first, so
             # run 1 is compared with a broker as warm as in the runs after it.
-            raw_pika_rate(count, url=args.url)
+            raw_rate()
             idle_rss = relay.rss_mib()
             ratios, drains, baselines, latencies = [], [], [], []
             for run in range(1, args.repeat + 1):
-                clear_outbox(args.url, exchange)
-                baseline_cpu = CpuMeter({"publisher": [os.getpid()], "broker": BROKER_PROCESS})
+                clear_outbox(args.url, exchange, args.transport)
+                baseline_cpu = CpuMeter({"publisher": [os.getpid()], "broker": broker_process})
                 baseline_cpu.start()
-                before = raw_pika_rate(count, url=args.url)
+                before = raw_rate()
                 baseline_cpu.stop()
                 drain_cpu = CpuMeter(
                     {
                         "relay": [relay.pid],
-                        "broker": BROKER_PROCESS,
+                        "broker": broker_process,
                         "database": DATABASE_PROCESS[args.database],
                     }
                 )
@@ -569,17 +613,17 @@ def main(argv: list[str] | None = None) -> None:
                 # The broker's speed drifts within a run (its queue, the disk, the other
                 # process on the core): the baseline is the mean of one raw run just before
                 # the drain and one just after, so a drift moves both sides of the ratio.
-                after = raw_pika_rate(count, url=args.url)
+                after = raw_rate()
                 baseline = (before + after) / 2
-                clear_outbox(args.url, exchange)
+                clear_outbox(args.url, exchange, args.transport)
                 latency = measure_latency(relay, args.rate, seconds, args.producers)
                 baselines.append(baseline)
                 drains.append(drain)
                 ratios.append(drain / baseline)
                 latencies.append(latency)
                 print(f"-- run {run}")
-                report("raw pika (window 1000) = baseline", baseline, count=count)
-                print(f"  (raw pika before the drain {before:,.0f}/s, after it {after:,.0f}/s)")
+                report(f"{baseline_name} = baseline", baseline, count=count)
+                print(f"  (baseline before the drain {before:,.0f}/s, after it {after:,.0f}/s)")
                 report(
                     "publish_outbox drain",
                     drain,
@@ -598,7 +642,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"publish_outbox exited with {code}")
     median = statistics.median
     print(f"-- median of {args.repeat} run(s)")
-    report("raw pika (window 1000) = baseline", median(baselines), count=count)
+    report(f"{baseline_name} = baseline", median(baselines), count=count)
     print(
         f"{'publish_outbox drain':<40}  {median(drains):>10,.0f} events/s  {count:>8,} msgs  "
         f"peak RSS {peak:6.1f} MiB (idle {idle_rss:.1f})  ratio {median(ratios):5.2f}"

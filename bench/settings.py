@@ -14,6 +14,13 @@ DEBUG = False
 OUTBOX_BACKEND = "django_outbox.backends.pika.PikaBackend"
 OUTBOX_BROKER_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 OUTBOX_EXCHANGE = os.environ.get("BENCH_EXCHANGE", "outbox")
+# relay_bench --transport nats: the benchmark's throwaway stream, its subjects' prefix its
+# name lower-cased (bench.raw_nats.bench_stream).
+if os.environ.get("BENCH_TRANSPORT") == "nats":
+    OUTBOX_BACKEND = ""
+    OUTBOX_BROKER_URL = os.environ["BENCH_BROKER_URL"]
+    OUTBOX_NATS_STREAM = os.environ["BENCH_NATS_STREAM"]
+    OUTBOX_EXCHANGE = OUTBOX_NATS_STREAM.lower()
 # purge_bench --isolation: the MariaDB isolation level of the bench and its child processes.
 if os.environ.get("BENCH_ISOLATION") and DATABASES["default"]["ENGINE"].endswith("mysql"):  # noqa: F405
     DATABASES["default"]["OPTIONS"]["isolation_level"] = os.environ["BENCH_ISOLATION"]  # noqa: F405
