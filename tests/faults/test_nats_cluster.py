@@ -1,0 +1,130 @@
+"""A real three-node NATS cluster, a stream of three replicas: one node stopped under a
+draining relay and under a consumer.
+
+Optional: it needs a cluster, which ``bash scripts/nats-cluster start`` runs on loopback
+ports (three servers with their own stores) and whose output sets ``NATS_CLUSTER`` (the
+nodes' URLs, ``;`` between them) and ``NATS_CLUSTER_STOP`` / ``NATS_CLUSTER_START`` (a
+shell command that stops or starts node ``{n}``, 1-based). Without them every test here is
+skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from django_outbox.conf import broker_urls
+from django_outbox.consumer import Outcome
+from django_outbox.masking import mask_url
+from django_outbox.models import OutboxEvent, Status
+from points.models import PointsLedger
+from tests.utils.amqp import serving
+from tests.utils.nats import NatsBroker, make_nats_consumer, publish_events
+from tests.utils.rows import unsaved_event
+from tests.utils.waiting import wait_for as wait_until
+
+from .harness import Processes, counts, emit, wait_for
+
+CLUSTER = broker_urls(os.environ.get("NATS_CLUSTER", ""))
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(
+        len(CLUSTER) < 3,
+        reason="needs a NATS cluster of three nodes: run `bash scripts/nats-cluster start` "
+        "and export what it prints (NATS_CLUSTER, NATS_CLUSTER_STOP/START)",
+    ),
+]
+
+
+def node(action: str, n: int) -> None:
+    command = os.environ[f"NATS_CLUSTER_{action.upper()}"].format(n=n)
+    subprocess.run(command, shell=True, check=True, timeout=120)
+
+
+@pytest.fixture
+def cluster() -> Iterator[NatsBroker]:
+    """The test's stream, three replicas, through node 3 (never stopped)."""
+    broker = NatsBroker(CLUSTER[2])
+    broker.declare_stream(num_replicas=3, duplicate_window=120)
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def cluster_procs(tmp_path: Path, cluster: NatsBroker) -> Iterator[Processes]:
+    p = Processes(tmp_path, cluster)  # type: ignore[arg-type]  # its url and exchange
+    yield p
+    p.cleanup()
+
+
+def settings(broker: NatsBroker) -> dict[str, Any]:
+    return {
+        "BACKEND": "django_outbox.backends.nats.NatsBackend",
+        "BROKER_URL": CLUSTER,
+        "EXCHANGE": broker.prefix,
+        "NATS_STREAM": broker.stream,
+        "NATS_REPLICAS": 3,
+    }
+
+
+def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cluster_procs):
+    """The relay publishes through node 1; node 1 is stopped while a backlog drains into a
+    stream of three replicas. The relay goes on through node 2: every event is in the
+    stream, once (the duplicate window drops what is published again), and no row is SENT
+    that the stream did not ack."""
+    total = 5000
+    ids = emit(total)
+    relay = cluster_procs.relay("--batch-size", "100", name="relay", **settings(cluster))
+    try:
+        wait_for(
+            lambda: counts()["sent"] >= 1000,
+            timeout=60,
+            what="draining through node 1",
+            processes=cluster_procs,
+            every=0.01,
+        )
+        node("stop", 1)
+        wait_for(
+            lambda: counts()["sent"] == total,
+            timeout=120,
+            what="draining through node 2",
+            processes=cluster_procs,
+        )
+        assert relay.stop() == 0, relay.tail()
+    finally:
+        node("start", 1)
+    assert f"connected to {mask_url(CLUSTER[1])} (node 2 of 3)" in relay.stderr(), relay.tail()
+    stored = cluster.collect()
+    sent = set(OutboxEvent.objects.filter(status=Status.SENT).values_list("event_id", flat=True))
+    assert [i for i in ids if not stored[i]] == []  # 0 lost
+    assert [i for i in sent if not stored[i]] == []  # 0 SENT without an ack
+    assert set(stored) == set(ids)
+    assert cluster.count() == total  # and each once
+
+
+def test_a_node_stopped_under_the_consumer_it_goes_on_through_the_next(cluster):
+    """The consumer reads its durable consumer through node 1; node 1 is stopped: it reads
+    on through node 2, and each event is handled once."""
+    consumer = make_nats_consumer(cluster, url=CLUSTER, reconnect_max=0.5)
+    try:
+        with serving(consumer) as results:
+            events = [unsaved_event(pk=n) for n in range(1, 21)]
+            publish_events(cluster, *events[:10], replicas=3)
+            assert wait_until(lambda: PointsLedger.objects.count() == 10, timeout=30)
+            node("stop", 1)
+            publish_events(cluster, *events[10:], replicas=3)
+            assert wait_until(lambda: PointsLedger.objects.count() == 20, timeout=60)
+            # Node 2, or node 3 when node 2 did not answer in time while the stream and the
+            # consumer elected new leaders.
+            assert consumer.url in CLUSTER[1:]
+    finally:
+        node("start", 1)
+    assert results[0].counts[Outcome.PROCESSED] == 20
+    assert PointsLedger.objects.count() == 20
