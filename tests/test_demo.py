@@ -188,6 +188,44 @@ def test_demo_on_the_test_database_and_rabbitmq(amqp_url, db_vendor, message_for
         connection.close()
 
 
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("message_format", ["native", "cloudevents"])
+def test_demo_on_the_test_database_and_nats(nats_url, db_vendor, message_format):
+    """The same story on NATS JetStream (BROKER_URL=nats://...): JetStream drops the killed
+    batch's second copy by its Nats-Msg-Id, so only the crashed consumer's messages come
+    back as duplicates."""
+    env = django_env(
+        BROKER_URL=nats_url,
+        DJANGO_SETTINGS_MODULE="config.settings",
+        OUTBOX_MESSAGE_FORMAT=message_format,
+    )
+    env.pop("AMQP_URL", None)
+    done = run_demo("--orders", "40", "--duplicates", "3", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    prose = " ".join(out.split())
+    assert f"NATS JetStream at {nats_url}" in prose
+    assert "JetStream had stored it already" in prose
+    assert figure(out, "message formats") == f"{message_format}={figure(out, 'messages handled')}"
+    assert figure(out, "orders created") == "40"
+    assert figure(out, "points rows") == "40"
+    # The 3 the crashed consumer committed without acking; none of the killed batch.
+    assert figure(out, "duplicates suppressed") == "3"
+    assert figure(out, "lost") == "0"
+    assert figure(out, "PENDING / SENT / DEAD") == "0 / 40 / 0"
+    # The run's streams are gone.
+    stream = re.search(r"stream (DEMO_[0-9a-f]+)", prose).group(1)
+    from tests.utils.nats import NatsBroker
+
+    broker = NatsBroker(nats_url)
+    try:
+        assert broker.count(stream) == 0
+        assert broker.count(f"demo_{stream[5:]}_points_dlq") == 0
+    finally:
+        broker.close()
+
+
 # -- the pieces ----------------------------------------------------------------------------
 def good_figures(**changes) -> Figures:
     values = dict(

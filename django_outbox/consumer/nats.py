@@ -130,6 +130,7 @@ class Consumer(BaseConsumer["Msg"]):
         idle_timeout: float = 1.0,
         stream: str | None = None,
         connect_timeout: float | None = None,
+        ack_wait: float = ACK_WAIT,
     ) -> None:
         if queue_type is not None:
             raise ImproperlyConfiguredConsumer(
@@ -155,6 +156,8 @@ class Consumer(BaseConsumer["Msg"]):
             outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
         )
         self.subjects = filter_subjects(self.exchange, self.dispatcher.routing_keys())
+        #: The durable consumer's ack wait, when this consumer creates it.
+        self.ack_wait = ack_wait
         self._loop: LoopThread | None = None
         self._client: Client | None = None
         self._js: JetStreamContext | None = None
@@ -232,7 +235,7 @@ class Consumer(BaseConsumer["Msg"]):
             durable_name=self.durable,
             deliver_policy=DeliverPolicy.ALL,
             ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT,
+            ack_wait=self.ack_wait,
             # The dispatcher dead-letters on delivery max_retries + 1 with the reason; the
             # limit stops a message that crashes the consumer before it can decide.
             max_deliver=self.max_retries + 1,
@@ -339,7 +342,7 @@ class Consumer(BaseConsumer["Msg"]):
     async def _keep_in_progress(self) -> None:
         """While messages are held, tell JetStream every third of the ack wait."""
         while True:
-            await asyncio.sleep(ACK_WAIT / 3)
+            await asyncio.sleep(self.ack_wait / 3)
             with self._held_lock:
                 held = list(self._held.values())
             for msg in held:

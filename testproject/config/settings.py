@@ -4,8 +4,11 @@ Everything comes from the environment (django-environ), with embedded defaults t
 no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 
 - ``DATABASE_URL``: e.g. ``postgres://127.0.0.1/test`` or ``mysql://root@127.0.0.1/test``
-- ``AMQP_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F``; when set, the relay uses the
-  pika backend (RabbitMQ), otherwise the in-memory (locmem) one.
+- ``BROKER_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F`` or
+  ``nats://127.0.0.1:4222``; when set, the relay and the consumer use the broker its scheme
+  names (RabbitMQ, NATS JetStream), otherwise the in-memory (locmem) one. ``AMQP_URL`` is
+  read when it is unset (its earlier name).
+- ``OUTBOX_NATS_STREAM``: the JetStream stream (``manage.py demo`` sets its own).
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
 - ``OUTBOX_MESSAGE_FORMAT``: ``native`` (the default), ``cloudevents`` or
   ``cloudevents-structured``: how the relay publishes (the consumer reads all three);
@@ -27,7 +30,9 @@ env = environ.Env(
     DEBUG=(bool, False),
     SECRET_KEY=(str, "demo-only-not-secret-" + "x" * 40),
     ALLOWED_HOSTS=(list, ["localhost", "127.0.0.1", "[::1]", "testserver"]),
+    BROKER_URL=(str, ""),
     AMQP_URL=(str, ""),
+    OUTBOX_NATS_STREAM=(str, "OUTBOX"),
     OUTBOX_ORDERED=(bool, False),
     OUTBOX_MESSAGE_FORMAT=(str, "native"),
     OUTBOX_CLOUDEVENTS_SOURCE=(str, "/testproject"),
@@ -111,13 +116,15 @@ LOGGING = {
 }
 
 # --- django_outbox -------------------------------------------------------------------------
-AMQP_URL = env("AMQP_URL")
-OUTBOX_BROKER_URL = AMQP_URL
+BROKER_URL = env("BROKER_URL") or env("AMQP_URL")
+# RabbitMQ's URL, for what only RabbitMQ serves (Celery's broker below).
+AMQP_URL = BROKER_URL if BROKER_URL.lower().startswith("amqp") else ""
+OUTBOX_BROKER_URL = BROKER_URL
+# '': the backend of the broker URL's transport.
 OUTBOX_BACKEND = env("OUTBOX_BACKEND") or (
-    "django_outbox.backends.pika.PikaBackend"
-    if AMQP_URL
-    else "django_outbox.backends.locmem.LocmemBackend"
+    "" if BROKER_URL else "django_outbox.backends.locmem.LocmemBackend"
 )
+OUTBOX_NATS_STREAM = env("OUTBOX_NATS_STREAM")
 OUTBOX_ORDERED = env("OUTBOX_ORDERED")
 OUTBOX_MESSAGE_FORMAT = env("OUTBOX_MESSAGE_FORMAT")
 OUTBOX_CLOUDEVENTS_SOURCE = env("OUTBOX_CLOUDEVENTS_SOURCE")

@@ -14,9 +14,11 @@ Everything that can go wrong in the article goes wrong once, on purpose, for rea
    the killed batch a second time; it is stopped with SIGTERM.
 6. The consumer reads again: the killed batch comes back as duplicates.
 
-Then :func:`reconcile` compares orders, outbox rows and points rows. With RabbitMQ
-(``AMQP_URL``) the broker is RabbitMQ, on an exchange and queue named for this run and
-deleted at the end, and the consumer is a ``consume_outbox`` child process; without it,
+Then :func:`reconcile` compares orders, outbox rows and points rows. With ``BROKER_URL``
+the broker is RabbitMQ (an exchange and queue named for this run) or NATS JetStream (a
+stream and durable consumer named for this run; JetStream drops the killed batch's second
+copy, so step 6 finds no duplicate), deleted at the end, and the consumer is a
+``consume_outbox`` child process; without it,
 the broker is :class:`demo.broker.InProcessBroker` in this process and the consumer runs
 here too.
 """
@@ -254,6 +256,9 @@ class Transport(Protocol):
     # be retried and delivered once more than the reconciliation expects.
     lease_seconds: float
     confirm_timeout: float
+    #: The broker stores the killed batch again when the next relay republishes it (False:
+    #: it drops what it has by message id, as JetStream does in its duplicate window).
+    stores_republished: bool
 
     def relay_env(self) -> dict[str, str]: ...
 
@@ -282,11 +287,44 @@ def receive(dispatcher: Dispatcher, delivery: message.Delivery, tally: Tally) ->
     return decision
 
 
+def consume_outbox(
+    spawn: Callable[..., Child], queue: str, exchange: str, env: dict[str, str] | None = None
+) -> Tally:
+    """``consume_outbox --once --json`` in a child process, on ``queue``: its totals."""
+    child = spawn(
+        "consume_outbox",
+        [
+            "consume_outbox",
+            "--once",
+            "--json",
+            "--queue",
+            queue,
+            "--exchange",
+            exchange,
+            "--handler",
+            AWARD,
+        ],
+        env,
+    )
+    try:
+        if child.wait(STEP_TIMEOUT) != 0:
+            raise child.failure("consume_outbox failed")
+        out, _ = child.output()
+        lines = out.strip().splitlines()
+        try:
+            return Tally.from_totals(json.loads(lines[-1]))
+        except (IndexError, ValueError, KeyError) as exc:
+            raise DemoError(f"consume_outbox printed no totals ({exc}): {out!r}") from exc
+    finally:
+        child.close()
+
+
 class EmbeddedTransport:
     """The in-process broker; the consumer is this process."""
 
     lease_seconds = 3.0
     confirm_timeout = 2.0
+    stores_republished = True
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -340,6 +378,7 @@ class RabbitTransport:
     # takes a few seconds of the lease anyway.
     lease_seconds = 6.0
     confirm_timeout = 5.0
+    stores_republished = True
 
     def __init__(
         self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
@@ -425,31 +464,7 @@ class RabbitTransport:
         return tally, lost
 
     def consume(self) -> Tally:
-        child = self.spawn(
-            "consume_outbox",
-            [
-                "consume_outbox",
-                "--once",
-                "--json",
-                "--queue",
-                self.queue,
-                "--exchange",
-                self.exchange,
-                "--handler",
-                AWARD,
-            ],
-        )
-        try:
-            if child.wait(STEP_TIMEOUT) != 0:
-                raise child.failure("consume_outbox failed")
-            out, _ = child.output()
-            lines = out.strip().splitlines()
-            try:
-                return Tally.from_totals(json.loads(lines[-1]))
-            except (IndexError, ValueError, KeyError) as exc:
-                raise DemoError(f"consume_outbox printed no totals ({exc}): {out!r}") from exc
-        finally:
-            child.close()
+        return consume_outbox(self.spawn, self.queue, self.exchange)
 
     def close(self) -> None:
         import pika.exceptions
@@ -470,6 +485,124 @@ class RabbitTransport:
                 self.queue,
                 exc_info=True,
             )
+
+
+class NatsTransport:
+    """NATS JetStream, on a stream and durable consumer of this run; the consumer is
+    ``consume_outbox``."""
+
+    lease_seconds = 6.0
+    confirm_timeout = 5.0
+    # JetStream drops a message whose Nats-Msg-Id it stored within the duplicate window.
+    stores_republished = False
+    # The durable consumer's ack wait here (30 s in production): JetStream delivers what a
+    # crashed consumer held again once it has passed, not when the connection drops.
+    ack_wait = 2.0
+
+    def __init__(
+        self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
+    ) -> None:
+        import nats
+        from nats.js.api import StreamConfig
+
+        from django_outbox._compat.nats import LoopThread
+        from django_outbox.consumer.nats import Consumer
+
+        self.url = url
+        self.dispatcher = dispatcher
+        self.spawn = spawn
+        self.stream = f"DEMO_{run_id}"
+        self.exchange = f"demo-{run_id}"
+        # Outside the stream's subjects: its dead-letter subject must be.
+        self.queue = f"demo.{run_id}.points"
+        self.description = (
+            f"NATS JetStream at {mask_url(url)} (stream {self.stream}, durable consumer "
+            f"for {self.queue}, dead letters {self.queue}.dlq; deleted at the end)"
+        )
+        self._loop = LoopThread("demo-nats")
+        try:
+            self._client = self._loop.run(nats.connect(broker_urls(url)), 15)
+            self._js = self._client.jetstream()
+            self._loop.run(
+                self._js.add_stream(
+                    StreamConfig(
+                        name=self.stream, subjects=[f"{self.exchange}.>"], duplicate_window=120
+                    )
+                ),
+                15,
+            )
+        except Exception as exc:
+            self._loop.stop()
+            raise DemoError(
+                f"Cannot use NATS JetStream at {mask_url(url)} ({type(exc).__name__}: {exc}). "
+                "Check BROKER_URL and that the server runs with -js, or unset it to run on "
+                "the in-process broker."
+            ) from exc
+        # Declared before anything is published, by the consumer's own code.
+        self._consumer = Consumer(
+            handlers=[AWARD],
+            url=url,
+            queue=self.queue,
+            exchange=self.exchange,
+            stream=self.stream,
+            ack_wait=self.ack_wait,
+        )
+        self._consumer.connect()
+        self._consumer.close()
+
+    def relay_env(self) -> dict[str, str]:
+        return {
+            backends.INNER_ENV: "django_outbox.backends.nats.NatsBackend",
+            backends.EXCHANGE_ENV: self.exchange,
+            "OUTBOX_NATS_STREAM": self.stream,
+        }
+
+    def waiting(self) -> int:
+        info = self._loop.run(self._js.consumer_info(self.stream, self._consumer.durable), 15)
+        return int(info.num_pending) + int(info.num_ack_pending)
+
+    def crash_consumer(self, *, lose: int, unacked: int) -> tuple[Tally, int]:
+        import nats.errors
+
+        lost = 0
+        tally = Tally()
+        if not lose + unacked:
+            return tally, lost
+
+        async def fetch() -> list[Any]:
+            sub = await self._js.pull_subscribe_bind(self._consumer.durable, stream=self.stream)
+            try:
+                return list(await sub.fetch(lose + unacked, timeout=5))
+            except nats.errors.TimeoutError:
+                return []
+
+        held = self._loop.run(fetch(), 30)
+        for msg in held[:lose]:
+            self._loop.run(msg.ack_sync(), 15)  # acknowledged, never handled
+            lost += 1
+        for msg in held[lose:]:
+            receive(self.dispatcher, self._consumer.delivery(msg), tally)  # committed, not acked
+        # The consumer is gone with those messages unacknowledged: JetStream delivers them
+        # again once the ack wait has passed.
+        time.sleep(self.ack_wait + 0.5)
+        return tally, lost
+
+    def consume(self) -> Tally:
+        stream = {"OUTBOX_NATS_STREAM": self.stream}
+        return consume_outbox(self.spawn, self.queue, self.exchange, stream)
+
+    def close(self) -> None:
+        for stream in (self.stream, f"{self._consumer.durable}_dlq"):
+            try:
+                self._loop.run(self._js.delete_stream(stream), 15)
+            except Exception:
+                if stream == self.stream:
+                    logger.warning(
+                        "could not delete the demo's stream %s; delete it by hand", stream
+                    )
+        with suppress(Exception):
+            self._loop.run(self._client.close(), 15)
+        self._loop.stop()
 
 
 # -- the story ---------------------------------------------------------------------------
@@ -560,7 +693,9 @@ class Demo:
         self.clear_earlier_runs()
         dispatcher = Dispatcher(handlers=[AWARD])
         transport: Transport
-        if self.amqp_url:
+        if self.amqp_url.lower().startswith(("nats://", "tls://")):
+            transport = NatsTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
+        elif self.amqp_url:
             transport = RabbitTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
         else:
             transport = EmbeddedTransport(dispatcher)
@@ -587,7 +722,9 @@ class Demo:
         self.restart_relay(transport, killed)
         second = self.consume(transport, step="6")
         return self.figures(
-            crashed + first + second, lost_acks=crashed.processed, killed_batch=len(killed)
+            crashed + first + second,
+            lost_acks=crashed.processed,
+            killed_batch=len(killed) if transport.stores_republished else 0,
         )
 
     def create_orders(self) -> None:
@@ -670,9 +807,9 @@ class Demo:
     def consume(self, transport: Transport, *, step: str) -> Tally:
         tally = transport.consume()
         who = (
-            "consume_outbox (a child process)"
-            if isinstance(transport, RabbitTransport)
-            else "The points consumer"
+            "The points consumer"
+            if isinstance(transport, EmbeddedTransport)
+            else "consume_outbox (a child process)"
         )
         counts = f"{tally.processed} processed, {n(tally.duplicates, 'duplicate')}" + (
             f", {tally.failed} failed" if tally.failed else ""
@@ -682,6 +819,9 @@ class Demo:
             "back, no points are written twice, and the message is acknowledged."
             if step == "4"
             else "The duplicates are the killed batch, suppressed the same way."
+            if transport.stores_republished
+            else "None is the killed batch: JetStream had stored it already and dropped the "
+            "relay's second copy by its Nats-Msg-Id (the event_id)."
         )
         self.say(
             f"Consumer. {who} read {n(tally.handled, 'message')}: {counts}. {why}",

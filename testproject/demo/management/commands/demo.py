@@ -24,7 +24,7 @@ class Command(BaseCommand):
         "Create orders through the outbox, run the relay and the points consumer, kill the "
         "relay once and deliver some events twice on purpose, then reconcile orders, "
         "outbox rows and points. Embedded (SQLite file, in-process broker) by default; "
-        "PostgreSQL/MySQL and RabbitMQ when DATABASE_URL / AMQP_URL are set."
+        "PostgreSQL/MySQL and RabbitMQ or NATS when DATABASE_URL / BROKER_URL are set."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -71,7 +71,7 @@ class Command(BaseCommand):
                 inject_loss=inject_loss,
                 seed=seed,
                 verbosity=verbosity,
-                amqp_url=getattr(settings, "AMQP_URL", ""),
+                amqp_url=getattr(settings, "BROKER_URL", ""),
                 workdir=Path(workdir),
                 write=self.stdout.write,
             )
