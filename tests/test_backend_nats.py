@@ -205,3 +205,46 @@ def test_stream_settings_nats_cannot_take_are_e031():
 )
 def test_a_nats_backend_with_an_amqp_url_is_e005():
     assert [e.id for e in check_backend()] == [Codes.BROKER_URL]
+
+
+def test_check_routes_says_which_subjects_the_stream_takes_and_who_reads_them(nats_broker):
+    from nats.js.api import ConsumerConfig
+
+    nats_broker.declare_stream(subjects=[f"{nats_broker.prefix}.ORDER_CREATED"])
+    config = ConsumerConfig(
+        durable_name="points", filter_subject=f"{nats_broker.prefix}.ORDER_CREATED"
+    )
+    nats_broker.run(nats_broker.js.add_consumer(nats_broker.stream, config))
+    check = backend(nats_broker).check_routes(["ORDER_CREATED", "ORDER_PAID"])
+    assert check.target.startswith(f"stream {nats_broker.stream!r} at nats://")
+    routes = {route.routing_key: route.destinations for route in check.routes}
+    assert routes == {
+        "ORDER_CREATED": (f"stream {nats_broker.stream!r} (read by points)",),
+        "ORDER_PAID": (),
+    }
+
+
+@pytest.mark.django_db
+def test_outbox_check_on_nats_exits_1_for_a_type_no_stream_takes(nats_broker):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    nats_broker.declare_stream(subjects=[f"{nats_broker.prefix}.ORDER_CREATED"])
+    out = StringIO()
+    with (
+        override_settings(
+            OUTBOX_BACKEND="",
+            OUTBOX_BROKER_URL=nats_broker.url,
+            OUTBOX_NATS_STREAM=nats_broker.stream,
+            OUTBOX_EXCHANGE=nats_broker.prefix,
+            OUTBOX_ROUTING_KEYS={"ORDER_CREATED": "ORDER_CREATED", "ORDER_PAID": "ORDER_PAID"},
+        ),
+        pytest.raises(CommandError) as info,
+    ):
+        call_command("outbox_check", stdout=out)
+    assert info.value.returncode == 1
+    text = out.getvalue()
+    assert f"broker: stream {nats_broker.stream!r}" in text
+    assert f"ORDER_CREATED: stream {nats_broker.stream!r}" in text
+    assert "ORDER_PAID: NO QUEUE BOUND" in text

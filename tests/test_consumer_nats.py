@@ -192,3 +192,15 @@ def test_reconnects_after_the_connection_is_lost(nats_broker, nats_proxied):
         publish_events(nats_broker, unsaved_event(pk=2))
         assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=20)
     assert results[0].counts[Outcome.PROCESSED] == 2
+
+
+def test_a_one_pass_run_that_cannot_connect_gives_up_saying_why(nats_broker, nats_proxied):
+    from django_outbox.consumer.base import BrokerUnreachable
+
+    proxy, url = nats_proxied
+    proxy.refuse()
+    consumer = Consumer(
+        handlers=[AWARD], url=url, queue=nats_broker.queue, stream=nats_broker.stream
+    )
+    with pytest.raises(BrokerUnreachable, match=r"cannot connect to NATS at nats://127\.0\.0\.1"):
+        consumer.serve(until_idle=True)

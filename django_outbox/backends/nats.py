@@ -45,11 +45,19 @@ from django.core.checks import CheckMessage, Error
 from .._compat.nats import LoopThread, take_replies, write_frames
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
 from ..formats import NATS_BINDING, get_format
-from ..masking import mask_url, mask_urls_in
+from ..masking import mask_url, mask_urls_in, password_overruns
 from ..message import TYPE_HEADER, encode_text_headers, escape_header_value
 from ..transports import NATS, scheme_of
 from ..worker import BrokerNodes
-from .base import BaseBackend, BrokerUnavailable, PublishResult, Reason, describe_error
+from .base import (
+    BaseBackend,
+    BrokerUnavailable,
+    PublishResult,
+    Reason,
+    Route,
+    RouteCheck,
+    describe_error,
+)
 
 if NATS.missing():
     raise ImportError(NATS.missing())
@@ -258,7 +266,7 @@ class NatsBackend(BaseBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, Hints
+        from ..checks import Codes, Hints, broker_url_missing, problem
 
         options = outbox_settings.BACKEND_OPTIONS or {}
         value = options.get("broker_url") or outbox_settings.BROKER_URL
@@ -267,10 +275,14 @@ class NatsBackend(BaseBackend):
         except TypeError as exc:
             return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
         if not urls:
-            return [Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)]
+            return [broker_url_missing()]
         errors: list[CheckMessage] = []
         for url in urls:
-            if scheme_of(url) not in NATS.schemes:
+            if password_overruns(url):
+                errors.append(
+                    problem("BROKER_URL_ENCODING", which=f"OUTBOX_BROKER_URL {mask_url(url)!r}")
+                )
+            elif scheme_of(url) not in NATS.schemes:
                 errors.append(
                     Error(
                         f"OUTBOX_BROKER_URL {mask_url(url)!r} is not a nats:// or tls:// URL.",
@@ -369,6 +381,43 @@ class NatsBackend(BaseBackend):
         self._max_payload = client.max_payload or self._max_payload
         self._lost = self._error = ""
         return done
+
+    def check_routes(self, routing_keys: Sequence[str]) -> RouteCheck:
+        """For ``manage.py outbox_check``: connect, declare (or verify) the stream, and say
+        for each routing key whether the stream takes its subject (else its events come
+        back unroutable) and which durable consumers read it."""
+        self.open()
+        try:
+            assert self._loop is not None and self._client is not None
+            found = self._loop.run(self._routes(routing_keys), self.connect_timeout * 2)
+        finally:
+            self.close()
+        return RouteCheck(f"stream {self.stream!r} at {self.masked_url}", found)
+
+    async def _routes(self, routing_keys: Sequence[str]) -> list[Route]:
+        assert self._client is not None
+        js = self._client.jetstream(timeout=self.connect_timeout)
+        readers = [info async for info in _consumers(js, self.stream)]
+        routes = []
+        for key in routing_keys:
+            subject = subject_for(self.exchange, key)
+            try:
+                owner = await js.find_stream_name_by_subject(subject)
+            except nats.js.errors.NotFoundError:
+                owner = ""
+            if owner != self.stream:
+                routes.append(Route(key, ()))
+                continue
+            names = [
+                info.name
+                for info in readers
+                if _matches(subject, info.config.filter_subject, info.config.filter_subjects)
+            ]
+            where = f"stream {self.stream!r}"
+            if names:
+                where += f" (read by {', '.join(names)})"
+            routes.append(Route(key, (where,)))
+        return routes
 
     def next_node(self) -> bool:
         lost = self.nodes.name()
@@ -566,6 +615,27 @@ class NatsBackend(BaseBackend):
                         )
                     batch.settle(index, result)
                     return
+
+
+async def _consumers(js: JetStreamContext, stream: str) -> Any:
+    for info in await js.consumers_info(stream):
+        yield info
+
+
+def _matches(subject: str, one: str | None, several: Sequence[str] | None) -> bool:
+    """Whether a consumer with these filter subjects reads ``subject`` (none: every one)."""
+    filters = [f for f in [one, *(several or [])] if f]
+    return not filters or any(_subject_match(f, subject) for f in filters)
+
+
+def _subject_match(pattern: str, subject: str) -> bool:
+    words, tokens = pattern.split("."), subject.split(".")
+    for index, word in enumerate(words):
+        if word == ">":
+            return len(tokens) > index
+        if index >= len(tokens) or (word != "*" and word != tokens[index]):
+            return False
+    return len(words) == len(tokens)
 
 
 async def _never_called(msg: Msg) -> None:

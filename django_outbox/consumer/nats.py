@@ -39,9 +39,15 @@ from .. import tracing
 from .._compat.nats import LoopThread
 from ..conf import outbox_settings
 from ..exceptions import error_text
+from ..masking import mask_urls_in
 from ..message import TYPE_HEADER, Delivery, decode_text_headers, escape_header_value
 from ..transports import NATS
-from .base import BaseConsumer, ImproperlyConfiguredConsumer, dead_letter_queue_name
+from .base import (
+    BaseConsumer,
+    CannotConnect,
+    ImproperlyConfiguredConsumer,
+    dead_letter_queue_name,
+)
 from .dispatch import REASON_HEADER, Action, Decision
 from .handlers import IdempotentHandler
 
@@ -175,18 +181,27 @@ class Consumer(BaseConsumer["Msg"]):
             self._loop = LoopThread("django-outbox-nats-consumer")
         loop = self._loop
 
+        failures: list[tuple[str, str]] = []  # node, why: in this round
+
         def attempt() -> None:
-            loop.run(self._connect(self.nodes.current), self.connect_timeout * 3)
+            try:
+                loop.run(self._connect(self.nodes.current), self.connect_timeout * 3)
+            except self.connection_errors as exc:
+                failures.append((self.nodes.name(), _describe(exc)))
+                where = "NATS at " if len(failures) == 1 else "any NATS node: "
+                raise CannotConnect(
+                    f"cannot connect to {where}{'; '.join(f'{n}: {f}' for n, f in failures)}"
+                ) from exc
 
         def on_next(node: str, exc: Exception) -> None:
             logger.warning(
                 "cannot connect to NATS at %s (%s); trying the next node, %s",
                 node,
-                error_text(str(exc) or type(exc).__name__),
+                failures[-1][1],
                 self.nodes.name(),
             )
 
-        self.nodes.connect(attempt, errors=self.connection_errors, on_next=on_next)
+        self.nodes.connect(attempt, errors=CannotConnect, on_next=on_next)
         self._node = self.nodes.name()
         logger.info(
             "consuming %s on stream %s (durable %s, subjects %s, dead letters to %s) at %s",
@@ -429,3 +444,16 @@ def _pop(headers: dict[str, Any], name: str) -> Any:
         if key.lower() == lowered:
             return headers.pop(key)
     return None
+
+
+def _describe(exc: BaseException) -> str:
+    """Why a connection attempt failed, in words, without a password."""
+    if isinstance(exc, StreamMissing):
+        return str(exc)
+    if isinstance(exc, nats.errors.NoServersError):
+        return "the server does not answer (connection refused or timed out)"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time (JetStream may be electing a leader)"
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+        return "JetStream is not enabled or not available on the server (start it with -js)"
+    return mask_urls_in(error_text(str(exc) or type(exc).__name__))
