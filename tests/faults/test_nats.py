@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from django_outbox.models import OutboxEvent
-from tests.utils.nats import NatsBroker
+from tests.utils.nats import NatsBroker, relay_settings
 
 from .harness import Processes, counts, emit, wait_for
 
@@ -31,18 +31,9 @@ def nats_procs(tmp_path: Path, nats_broker: NatsBroker) -> Any:
     p.cleanup()
 
 
-def nats_settings(broker: NatsBroker) -> dict[str, Any]:
-    return {
-        "BACKEND": "django_outbox.backends.nats.NatsBackend",
-        "BROKER_URL": broker.url,
-        "EXCHANGE": broker.prefix,
-        "NATS_STREAM": broker.stream,
-    }
-
-
 def test_a_relay_killed_mid_drain_and_restarted_leaves_exactly_n_messages(nats_broker, nats_procs):
     ids = emit(EVENTS)
-    settings = nats_settings(nats_broker)
+    settings = relay_settings(nats_broker)
     relay = nats_procs.relay("--batch-size", "200", name="relay-1", **settings)
     wait_for(
         lambda: counts()["sent"] >= EVENTS // 4,

@@ -14,7 +14,6 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,7 +23,7 @@ from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent, Status
 from points.models import PointsLedger
 from tests.utils.amqp import serving
-from tests.utils.nats import NatsBroker, make_nats_consumer, publish_events
+from tests.utils.nats import NatsBroker, make_nats_consumer, publish_events, relay_settings
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
@@ -64,16 +63,6 @@ def cluster_procs(tmp_path: Path, cluster: NatsBroker) -> Iterator[Processes]:
     p.cleanup()
 
 
-def settings(broker: NatsBroker) -> dict[str, Any]:
-    return {
-        "BACKEND": "django_outbox.backends.nats.NatsBackend",
-        "BROKER_URL": CLUSTER,
-        "EXCHANGE": broker.prefix,
-        "NATS_STREAM": broker.stream,
-        "NATS_REPLICAS": 3,
-    }
-
-
 def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cluster_procs):
     """The relay publishes through node 1; node 1 is stopped while a backlog drains into a
     stream of three replicas. The relay goes on through node 2: every event is in the
@@ -81,7 +70,12 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cl
     that the stream did not ack."""
     total = 5000
     ids = emit(total)
-    relay = cluster_procs.relay("--batch-size", "100", name="relay", **settings(cluster))
+    relay = cluster_procs.relay(
+        "--batch-size",
+        "100",
+        name="relay",
+        **relay_settings(cluster, BROKER_URL=CLUSTER, NATS_REPLICAS=3),
+    )
     try:
         wait_for(
             lambda: counts()["sent"] >= 1000,

@@ -97,6 +97,18 @@ class NatsBroker:
         self._loop.stop()
 
 
+def relay_settings(broker: NatsBroker, **settings: Any) -> dict[str, Any]:
+    """OUTBOX_* settings (without the prefix) of a relay process on the broker's stream
+    (tests.faults.harness.Processes)."""
+    return {
+        "BACKEND": "django_outbox.backends.nats.NatsBackend",
+        "BROKER_URL": broker.url,
+        "EXCHANGE": broker.prefix,
+        "NATS_STREAM": broker.stream,
+        **settings,
+    }
+
+
 def make_nats_consumer(
     broker: NatsBroker, handlers: Sequence[str] = (AWARD,), **options: Any
 ) -> Consumer:
