@@ -25,7 +25,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 #: Runs beyond each bench's --smoke: the baseline's own options that no *_bench.py uses.
-EXTRA_RUNS = [("raw_pika", ["--coalesce"])]
+EXTRA_RUNS = [
+    ("raw_pika", ["--coalesce"]),
+    ("raw_nats", []),
+    ("relay_bench", ["--transport", "nats"]),
+]
 
 
 def smoke_runs() -> list[tuple[str, list[str]]]:

@@ -145,11 +145,11 @@ def best_raw_nats_rate(
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__.splitlines()[0])
     p.set_defaults(url=DEFAULT_NATS_URL)
     p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     count = count_from(args)
     windows = [int(w) for w in args.windows.split(",")]
     print(f"raw nats-py: {mask_url(args.url)}, {count:,} messages, {args.repeat} run(s)")
