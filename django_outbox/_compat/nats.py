@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-#: The nats-py releases these internals are known to behave as assumed (tests/test_compat.py).
-PINNED = "nats-py>=2.7,<3"
+#: The nats-py releases these internals are known to behave as assumed (tests/test_compat_nats.py).
+PINNED = "nats-py>=2.15,<3"
 
 _T = TypeVar("_T")
 
