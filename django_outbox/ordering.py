@@ -16,10 +16,11 @@ See docs/ordered.md for the guarantee and what it assumes about the writers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Max, Min, OuterRef, Q
+from django.db.models import Max, Min, OuterRef, Q, Subquery
 
 from .conf import outbox_settings
 from .states import Status
@@ -209,6 +210,99 @@ def followers(
             if ids:
                 found[(aggregate_type, aggregate_id)] = [pk for pk in ids if pk < first]
     return found
+
+
+@dataclass(frozen=True)
+class Followers:
+    """The followers a claim wants: behind each row a run starts from, its aggregate's next
+    PENDING ordered ids in run order, at most as many as that start may bring."""
+
+    starts: list[tuple[OutboxEvent, int]]  # (the row a run continues from, its cap)
+    wanted: dict[AggregateKey, list[int]]
+
+    def _ids_behind(self, start: OutboxEvent, cap: int) -> list[int]:
+        return self.wanted.get(key_of(start), [])[:cap]
+
+    def ids(self) -> list[int]:
+        """Every id wanted, for the claim's locking read."""
+        return [pk for start, cap in self.starts for pk in self._ids_behind(start, cap)]
+
+    def chain(self, free: Mapping[int, OutboxEvent]) -> list[OutboxEvent]:
+        """The followers taken from ``free`` (the wanted rows the locking read got, due and
+        not locked by anyone else): each run is cut at its first row that is not there.
+        Each follower gets ``run_follows`` (the id of the row before it in the run, which
+        the relay must have seen confirmed first) and, as ``previous_sequence``, that same
+        id: it is SENT by the time consumers see the follower."""
+        taken: list[OutboxEvent] = []
+        for start, cap in self.starts:
+            before = start.pk
+            for pk in self._ids_behind(start, cap):
+                follower = free.get(pk)
+                if follower is None:  # not due, or locked: the run ends before it
+                    break
+                follower.run_follows = before  # type: ignore[attr-defined]
+                follower.previous_sequence = before  # type: ignore[attr-defined]
+                taken.append(follower)
+                before = pk
+        return taken
+
+
+def runs_behind(
+    base: OutboxEventQuerySet,
+    rows: Sequence[OutboxEvent],
+    after: Sequence[OutboxEvent],
+    *,
+    room: int,
+    run: int,
+    ordered: Ordered,
+    dead_head: str | None,
+) -> Followers | None:
+    """The followers a claim looks for: up to ``run - 1`` per ordered head of ``rows`` (just
+    claimed), ``room`` in all; and up to ``run`` behind each row of ``after`` whose
+    aggregate has no head among ``rows``. None: there are none.
+
+    A follower is the head's aggregate's next PENDING ordered row (then the one after it,
+    ...); the claim takes it if it is in the claim's queryset (due, and stale for the
+    compensator) and not locked by anyone else: a run is cut at its first row that is not
+    (:meth:`Followers.chain`), or before a DEAD row that blocks (:func:`followers`), so a
+    run is always the unbroken start of its aggregate's queue. Holding the head leased
+    already keeps every other relay off the followers (they are not heads while it is
+    PENDING); their own lease keeps them so once it is SENT, until the run is settled.
+
+    A row of ``after`` was confirmed by the broker already (its settle may still be on the
+    way: it is PENDING under this relay's lease, or SENT), so the rows behind it may go out
+    at once; no other relay can take them first, for the same reason as behind a head.
+    When its settle committed before this claim's heads were read, its successor is a head
+    of ``rows`` and its run is built from there instead.
+    """
+    heads = [row for row in rows if is_ordered(row, ordered)]
+    keys = {key_of(row) for row in heads}
+    starts = [(row, run - 1) for row in heads]
+    for row in after:
+        if key_of(row) not in keys and is_ordered(row, ordered):
+            keys.add(key_of(row))
+            starts.append((row, run))
+    wanted = followers(base, [row for row, _ in starts], ordered, dead_head, room)
+    return Followers(starts, wanted) if wanted else None
+
+
+def set_previous_sequences(
+    base: OutboxEventQuerySet, rows: Sequence[OutboxEvent], ordered: Ordered
+) -> None:
+    """Set ``previous_sequence`` on the claimed ordered heads among ``rows`` (the relay
+    sends it): the id of the aggregate's last SENT ordered row before the head (0: none).
+    A DEAD row skipped under the "skip" policy was never delivered, so it does not count."""
+    ids = [row.pk for row in rows if is_ordered(row, ordered)]
+    if not ids:
+        return
+    previous = dict(
+        base.with_ids(ids)
+        .annotate(previous=Subquery(previous_sent(base, ordered)))
+        .values_list("pk", "previous")
+    )
+    for row in rows:
+        if row.pk in previous:
+            row.previous_sequence = previous[row.pk] or 0  # type: ignore[attr-defined]
 
 
 def dead_head_note(event: Any) -> str:

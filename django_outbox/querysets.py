@@ -370,15 +370,10 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             query = locked.values_list(*CLAIM_FIELDS).query
             rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
             if rows:
-                self.model._default_manager.using(self.db).with_ids(
-                    [row.pk for row in rows]
-                ).update(
-                    leased_until=DbNow() + _seconds(lease_seconds),
-                    lease_token=token,
-                    updated_at=DbNow(),
-                )
+                self._lease([row.pk for row in rows], lease_seconds, token)
         if rows and ordered:
-            self._previous_sequences(rows, ordered)
+            base = self.model._default_manager.using(self.db).all()
+            ordering.set_previous_sequences(base, rows, ordered)
         return rows
 
     def _lease_returning(
@@ -446,6 +441,14 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             records = cursor.fetchall()
         return build_rows(self.model, self.db, CLAIM_FIELDS, records)
 
+    def _lease(self, ids: Sequence[int], lease_seconds: float, token: str) -> None:
+        """Lease the rows ``ids``, locked by the caller's transaction, under ``token``."""
+        self.model._default_manager.using(self.db).with_ids(ids).update(
+            leased_until=DbNow() + _seconds(lease_seconds),
+            lease_token=token,
+            updated_at=DbNow(),
+        )
+
     def _claim_runs(
         self,
         rows: list[OutboxEvent],
@@ -457,40 +460,18 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         dead_head: str | None,
         after: Sequence[OutboxEvent] = (),
     ) -> list[OutboxEvent]:
-        """``rows`` (just claimed, in this transaction) with up to ``run - 1`` *followers*
-        per claimed ordered head, ``room`` in all, leased under the same ``token``; and up
-        to ``run`` behind each row of ``after`` whose aggregate has no head among ``rows``.
-
-        A follower is the head's aggregate's next PENDING ordered row (then the one after
-        it, ...), in this queryset (due, and stale for the compensator) and not locked by
-        anyone else: a run is cut at its first row that is not, or before a DEAD row that
-        blocks, so a run is always the unbroken start of its aggregate's queue. Holding the
-        head leased already keeps every other relay off the followers (they are not heads
-        while it is PENDING); their own lease keeps them so once it is SENT, until the run
-        is settled. Each follower gets ``run_follows`` (the id of the row before it in the
-        run, which the relay must have seen confirmed first) and, as ``previous_sequence``,
-        that same id: it is SENT by the time consumers see the follower.
-
-        A row of ``after`` was confirmed by the broker already (its settle may still be on
-        the way: it is PENDING under this relay's lease, or SENT), so the rows behind it
-        may go out at once; no other relay can take them first, for the same reason as
-        behind a head. When its settle committed before this claim's heads were read, its
-        successor is a head of ``rows`` and its run is built from there instead.
-        """
-        heads = [row for row in rows if ordering.is_ordered(row, ordered)]
-        keys = {ordering.key_of(row) for row in heads}
-        starts = [(row, run - 1) for row in heads]
-        for row in after:
-            if ordering.key_of(row) not in keys and ordering.is_ordered(row, ordered):
-                keys.add(ordering.key_of(row))
-                starts.append((row, run))
+        """``rows`` (just claimed, in this transaction) with the followers
+        :func:`~django_outbox.ordering.runs_behind` wants behind them (and behind ``after``)
+        that are in this queryset and free to lock, ``room`` in all, leased under the same
+        ``token``."""
         base = self.model._default_manager.using(self.db).all()
-        wanted = ordering.followers(base, [row for row, _ in starts], ordered, dead_head, room)
-        if not wanted:
+        wanted = ordering.runs_behind(
+            base, rows, after, room=room, run=run, ordered=ordered, dead_head=dead_head
+        )
+        if wanted is None:
             return rows
-        every = [pk for row, cap in starts for pk in wanted.get(ordering.key_of(row), [])[:cap]]
         query = (
-            self.with_ids(every)
+            self.with_ids(wanted.ids())
             .select_for_update(skip_locked=True)
             .order_by("id")
             .values_list(*CLAIM_FIELDS)
@@ -499,44 +480,11 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         free = {
             row.pk: row for row in self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
         }
-        taken: list[OutboxEvent] = []
-        for start, cap in starts:
-            before = start.pk
-            for pk in wanted.get(ordering.key_of(start), [])[:cap]:
-                follower = free.get(pk)
-                if follower is None:  # not due, or locked: the run ends before it
-                    break
-                follower.run_follows = before  # type: ignore[attr-defined]
-                follower.previous_sequence = before  # type: ignore[attr-defined]
-                taken.append(follower)
-                before = pk
+        taken = wanted.chain(free)
         if not taken:
             return rows
-        self.model._default_manager.using(self.db).with_ids([row.pk for row in taken]).update(
-            leased_until=DbNow() + _seconds(lease_seconds),
-            lease_token=token,
-            updated_at=DbNow(),
-        )
+        self._lease([row.pk for row in taken], lease_seconds, token)
         return sorted([*rows, *taken], key=lambda row: row.pk)
-
-    def _previous_sequences(self, rows: list[OutboxEvent], ordered: bool | Sequence[str]) -> None:
-        """Set ``previous_sequence`` on the claimed ordered heads (the relay sends it).
-
-        It is the id of the aggregate's last SENT ordered row before the head (0: none): a
-        DEAD row skipped under the "skip" policy was never delivered, so it does not count.
-        """
-        ids = [row.pk for row in rows if ordering.is_ordered(row, ordered)]
-        if not ids:
-            return
-        base = self.model._default_manager.using(self.db).all()
-        previous = dict(
-            base.with_ids(ids)
-            .annotate(previous=models.Subquery(ordering.previous_sent(base, ordered)))
-            .values_list("pk", "previous")
-        )
-        for row in rows:
-            if row.pk in previous:
-                row.previous_sequence = previous[row.pk] or 0  # type: ignore[attr-defined]
 
     # -- ordered mode: what is stuck ---------------------------------------------------------
     def blocked_aggregates(
