@@ -336,7 +336,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         looked for. Finding heads reads every unsent ordered row (they are grouped by
         aggregate), so its cost follows the backlog, while continuing a run reads only the
         run; the relay leaves the search out of some of its claims behind runs
-        (:data:`django_outbox.relay.pipeline.HEADS_EVERY`).
+        (:data:`django_outbox.relay.runs.HEADS_EVERY`).
         """
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered

@@ -14,8 +14,8 @@ from django_outbox.backends import locmem
 from django_outbox.backends.base import PublishResult, Reason
 from django_outbox.db import db_now
 from django_outbox.models import OutboxEvent, Status
+from django_outbox.relay import runs
 from django_outbox.relay.batch import Batch
-from django_outbox.relay.lanes import INLINE
 from tests.utils.relay import make_relay
 from tests.utils.rows import expire_leases, make_events
 
@@ -207,12 +207,10 @@ class WritesOnFirstSend(Recording):
 
 @pytest.mark.parametrize("searched", [True, False])
 def test_claims_behind_runs_look_for_new_heads_at_most_every_heads_every(monkeypatch, searched):
-    from django_outbox.relay import pipeline
-
     # HEADS_EVERY 0 and the whole lane: every claim behind a run looks for heads; an hour:
     # none does, and an event written meanwhile waits for the claim after the runs end.
-    monkeypatch.setattr(pipeline, "HEADS_EVERY", 0.0 if searched else 3600.0)
-    monkeypatch.setattr(pipeline, "HEADS_SHARE", 1.0)
+    monkeypatch.setattr(runs, "HEADS_EVERY", 0.0 if searched else 3600.0)
+    monkeypatch.setattr(runs, "HEADS_SHARE", 1.0)
     made = hot(250)
     backend = WritesOnFirstSend()
     result = make_relay(backend=backend, batch_size=100, db_thread=False).drain()
@@ -226,22 +224,22 @@ def test_claims_behind_runs_look_for_new_heads_at_most_every_heads_every(monkeyp
 
 
 def test_the_search_for_heads_takes_at_most_its_share_of_the_claims_lane(monkeypatch):
-    from django_outbox.relay import pipeline
-
     clock = [1000.0]
-    monkeypatch.setattr(pipeline.time, "monotonic", lambda: clock[0])
-    drain = pipeline.Pipeline(make_relay(), INLINE)
-    assert drain.heads_due()  # never searched
-    drain.searched_at, drain.search_cost = 1000.0, 0.01
-    assert not drain.heads_due()
-    clock[0] += pipeline.HEADS_EVERY
-    assert drain.heads_due()
+    monkeypatch.setattr(runs.time, "monotonic", lambda: clock[0])
+    search = runs.HeadSearch()
+    assert search.due()  # never searched
+    with search.timed():
+        clock[0] += 0.01
+    assert (search.searched_at, search.cost) == pytest.approx((1000.01, 0.01))
+    assert not search.due()
+    clock[0] += runs.HEADS_EVERY
+    assert search.due()
     # A search that took 0.3 s (a large backlog): the next one at least 0.9 s later.
-    drain.searched_at, drain.search_cost = clock[0], 0.3
+    search.searched_at, search.cost = clock[0], 0.3
     clock[0] += 0.89
-    assert not drain.heads_due()
+    assert not search.due()
     clock[0] += 0.02
-    assert drain.heads_due()
+    assert search.due()
 
 
 @pytest.mark.parametrize("reason", ["unroutable", "nacked", "timeout"])
@@ -311,7 +309,8 @@ def test_a_batch_claimed_behind_an_unconfirmed_event_is_given_back_unsent():
     behind = relay.claim(10, after=first.rows[-1:])
     assert ids(behind.rows) == ids(made[2:])
     # made[1] was not confirmed (failed, or its batch was lost): nothing behind it is sent.
-    behind.after_ok = frozenset()
+    assert behind.runs is not None
+    behind.runs.after_ok = frozenset()
     relay.send(behind)
     assert relay.backend.sends == []
     result = relay.settle(relay.collect(behind))

@@ -4,6 +4,7 @@ compensate_outbox.
 - :mod:`.engine`: :class:`Relay`, the steps of a batch, ``drain()``, ``run()``
 - :mod:`.pipeline`: a drain with batches in flight while others are claimed and settled
 - :mod:`.batch`: a batch and its stages, :class:`PassResult`, :class:`BrokerOutage`
+- :mod:`.runs`: ordered mode on the relay, a batch's runs sent one confirm after another
 - :mod:`.lanes`: where a drain's database work runs (this thread, or a claims thread and
   a settles thread)
 - :mod:`.wake`: waiting between passes (polling, or LISTEN/NOTIFY on PostgreSQL)

@@ -43,9 +43,10 @@ from ..models import OutboxEvent, Status, outbox_db
 from ..querysets import OutboxEventQuerySet
 from ..retry import FixedRetryPolicy, RetryPolicy, ScheduleRetryPolicy
 from ..worker import Backoff, Heartbeat, keep_running
-from .batch import HELD_BACK, Batch, BrokerOutage, PassResult, Stage, failure_line
+from .batch import Batch, BrokerOutage, PassResult, Stage, failure_line
 from .lanes import INLINE, Lanes, ThreadLanes
 from .pipeline import Pipeline
+from .runs import HELD_BACK, Runs
 from .wake import Waker, make_waker
 
 logger = logging.getLogger("django_outbox.relay")
@@ -149,7 +150,7 @@ class Relay:
         self._run_lanes: ThreadLanes | None = None  # run()'s, for all its drains
         # What the backend has been sent and not yet waited for, oldest first (its wait()
         # answers in this order): a batch, and which of its rows (None: all of them). A
-        # batch with ordered runs is sent in several parts, interleaved with other batches.
+        # batch with ordered runs is sent in several waves, interleaved with other batches.
         self._outstanding: deque[tuple[Batch, list[int] | None]] = deque()
 
     @classmethod
@@ -184,50 +185,47 @@ class Relay:
         """Lease up to ``limit`` rows of the source, oldest first; in ordered mode with the
         runs behind ``after`` (confirmed rows of the last batch), and only those runs when
         ``heads`` is False (see :meth:`OutboxEventQuerySet.claim`)."""
+        ordered = ordering.current_ordered()
         token, rows = self.source(self.queryset()).claim(
             limit,
             lease_seconds=self.lease_seconds,
+            ordered=ordered,
             run=ordering.current_run(),
             after=after,
             heads=heads,
         )
         batch = Batch(token, rows, limit, time.monotonic())
-        batch.after = frozenset(row.pk for row in after)
+        if ordered:
+            batch.runs = Runs.of(rows, after)
         return batch
 
     def send(self, batch: Batch) -> Batch:
         """Hand the batch to the backend; its results are collected later."""
         batch.stage = Stage.SENT
         batch.spans = tracing.start_publish(batch.rows, self.backend)
-        first = batch.plan_runs()
+        first = batch.runs.first_wave() if batch.runs is not None else None
         if first is None:
             batch.results = self._call_backend(batch, self._send_rows, batch.rows)
             if batch.results is None:
                 self._outstanding.append((batch, None))
-        elif first:  # else every row waits behind an event that was not confirmed
-            self._send_part(batch, first, first=True)
+        else:
+            self._send_first_wave(batch, first)
         return batch
 
     def collect(self, batch: Batch) -> Batch:
         """Wait for the batch's results from the backend: one per row.
 
         The backend answers for what it was sent in order, so the parts sent before this
-        batch's (or between two parts of it, for a batch with ordered runs) are taken
+        batch's (or between two waves of it, for a batch with ordered runs) are taken
         first and kept on their batches. A confirm in a run sends the run's next event at
-        once (:meth:`_send_part`), so runs move on while other batches are waited for.
+        once (:meth:`_collect_wave`), so runs move on while other batches are waited for.
         """
         while batch.results is None and self._outstanding:
-            owner, indices = self._outstanding.popleft()
-            if indices is None:
-                owner.take(None, self._call_backend(owner, self.backend.wait) or [])
-                continue
-            following = owner.take(indices, self._wait_part(owner, indices))
-            if following and not self.lease_covers_a_send(owner):
-                # Too little lease left for another confirm wait: the rest of each run is
-                # given back, to be claimed again (with its head) by this relay or another.
-                owner.resolve(following, HELD_BACK)
-            elif following:
-                self._send_part(owner, following)
+            owner, wave = self._outstanding.popleft()
+            if wave is None:
+                owner.results = self._call_backend(owner, self.backend.wait) or []
+            else:
+                self._collect_wave(owner, wave)
         if batch.results is None:
             raise RuntimeError("collect() of a batch that is not in flight")
         if len(batch.results) != len(batch.rows):
@@ -508,26 +506,6 @@ class Relay:
         self._ensure_open()
         self.backend.send(rows)
 
-    def _send_part(self, batch: Batch, indices: list[int], *, first: bool = False) -> None:
-        """Send the rows ``indices`` of a batch with ordered runs (one wave of it)."""
-        try:
-            self._send_rows([batch.rows[index] for index in indices])
-        except Exception as exc:
-            if first and isinstance(exc, BrokerUnavailable):
-                # Nothing of the batch is out: give it all back, as for a whole batch.
-                raise self._outage(batch, exc) from exc
-            batch.resolve(indices, self._failure(exc, len(indices), "publishing"))
-            return
-        self._outstanding.append((batch, indices))
-
-    def _wait_part(self, batch: Batch, indices: list[int]) -> list[PublishResult]:
-        """The backend's results for the part ``indices`` of ``batch``, the oldest part it
-        has (see :meth:`collect`); an error fails those rows (and holds back their runs)."""
-        try:
-            return self.backend.wait()
-        except Exception as exc:
-            return [self._failure(exc, len(indices), "waiting for")] * len(indices)
-
     def _failure(self, exc: Exception, count: int, doing: str) -> PublishResult:
         """The result of ``count`` rows whose backend call raised ``exc``: a broker that
         cannot be reached is the connection's fault; any other error (a bug, an unexpected
@@ -577,6 +555,44 @@ class Relay:
 
     def close(self) -> None:
         self._close_backend()
+
+    # -- ordered runs: a batch sent in waves (relay/runs.py tells the story) -----------------
+    def _send_first_wave(self, batch: Batch, wave: list[int]) -> None:
+        assert batch.runs is not None
+        if wave:  # else every row waits behind an event that was not confirmed
+            self._send_wave(batch, batch.runs, wave, first=True)
+        batch.results = batch.runs.done()
+
+    def _send_wave(self, batch: Batch, runs: Runs, wave: list[int], *, first: bool = False) -> None:
+        """Send the rows ``wave`` of a batch with ordered runs."""
+        try:
+            self._send_rows([batch.rows[index] for index in wave])
+        except Exception as exc:
+            if first and isinstance(exc, BrokerUnavailable):
+                # Nothing of the batch is out: give it all back, as for a whole batch.
+                raise self._outage(batch, exc) from exc
+            runs.resolve(wave, self._failure(exc, len(wave), "publishing"))
+            return
+        self._outstanding.append((batch, wave))
+
+    def _collect_wave(self, batch: Batch, wave: list[int]) -> None:
+        """The backend's results for the rows ``wave`` of ``batch``, the oldest part it has
+        (see :meth:`collect`); an error fails those rows (and holds back their runs). The
+        followers of the confirmed ones go out at once, as the next wave."""
+        runs = batch.runs
+        assert runs is not None
+        try:
+            results = self.backend.wait()
+        except Exception as exc:
+            results = [self._failure(exc, len(wave), "waiting for")] * len(wave)
+        following = runs.take(wave, results)
+        if following and not self.lease_covers_a_send(batch):
+            # Too little lease left for another confirm wait: the rest of each run is
+            # given back, to be claimed again (with its head) by this relay or another.
+            runs.resolve(following, HELD_BACK)
+        elif following:
+            self._send_wave(batch, runs, following)
+        batch.results = runs.done()
 
     # -- database lanes, connections, heartbeat ----------------------------------------------
     @contextmanager

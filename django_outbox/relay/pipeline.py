@@ -14,7 +14,6 @@ batch it still holds is released (:meth:`Pipeline.release_all`).
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -24,6 +23,7 @@ from .. import ordering
 from ..alerts import notify_dead
 from .batch import Batch, BrokerOutage, PassResult
 from .lanes import Lanes, done
+from .runs import HeadSearch
 
 if TYPE_CHECKING:
     from ..models import OutboxEvent
@@ -34,16 +34,6 @@ logger = logging.getLogger("django_outbox.relay")
 #: Batches a draining relay keeps written to the broker and not yet confirmed: the broker
 #: works on one while the relay writes the next.
 IN_FLIGHT = 2
-
-#: While a drain continues ordered runs, its claims behind them also look for heads (other
-#: aggregates' next events, unordered events) at most every HEADS_EVERY seconds, and for
-#: at most HEADS_SHARE of the claims lane's time. That search reads the whole unsent
-#: ordered backlog, continuing a run only the run: with a hot aggregate's 50,000 queued,
-#: every claim took 54 ms beside runs of 100 events that took 80-100 ms, on the same two
-#: cores (bench.ordered_bench, docs/benchmarks.md). An event written meanwhile is claimed
-#: within about HEADS_EVERY, the busy relay's poll (a tenth of the default interval).
-HEADS_EVERY = 0.1
-HEADS_SHARE = 0.25
 
 
 class Pipeline:
@@ -69,9 +59,7 @@ class Pipeline:
         # Ids the broker confirmed in the last batch with ordered runs collected: the next
         # batch, claimed behind its runs, sends only the followers of these.
         self.confirmed: frozenset[int] = frozenset()
-        # When the last claim that looked for heads ended, and what it took (claims lane).
-        self.searched_at = float("-inf")
-        self.search_cost = 0.0
+        self.heads = HeadSearch()  # when claims behind runs look for heads (claims lane)
 
     def run(self) -> PassResult:
         self.ahead = self.lanes.claim(self.claim)
@@ -92,7 +80,7 @@ class Pipeline:
         if batch.connection_lost:
             self.settle_lost(batch)
             return True
-        if batch.has_runs:
+        if batch.runs is not None:
             self.confirmed = frozenset(
                 row.pk
                 for row, result in zip(batch.rows, batch.results or (), strict=True)
@@ -108,7 +96,7 @@ class Pipeline:
             if batch.rows and self.should_stop():
                 self.ahead = done(batch)  # released on the way out
                 return
-            if batch.after and self.in_flight:
+            if batch.runs is not None and batch.runs.after and self.in_flight:
                 # Claimed behind runs still in flight: it goes out once they are collected,
                 # and only behind the events the broker confirmed.
                 self.ahead = done(batch)
@@ -116,16 +104,17 @@ class Pipeline:
             batch = self.fresh(batch)
             if not batch.rows:
                 return
-            batch.after_ok = batch.after & self.confirmed
-            claim_next = batch.full and not batch.has_runs  # more may be due
+            if batch.runs is not None:
+                batch.runs.after_ok = batch.runs.after & self.confirmed
+            claim_next = batch.full and batch.runs is None  # more may be due
             if claim_next and self.relay.claim_before_send:
                 self.ahead = self.lanes.claim(self.claim)
             self.in_flight.append(self.relay.send(batch))
-            if batch.has_runs:
+            if batch.runs is not None:
                 # Ordered runs: claim what follows them (and the heads due meanwhile) while
                 # their events go out one by one, so the next batch is ready when they are
                 # confirmed: a hot aggregate does not wait for a settle and a claim.
-                self.ahead = self.lanes.claim(self.claim, batch.run_tails())
+                self.ahead = self.lanes.claim(self.claim, batch.runs.tails())
                 return
             if not batch.full:
                 return
@@ -164,20 +153,13 @@ class Pipeline:
             limit = min(limit, self.max_events - self.claimed)
         if limit <= 0 or self.should_stop():
             return Batch.empty()
-        if after and not self.heads_due():
+        if after and not self.heads.due():
             batch = self.relay.claim(limit, after, heads=False)
         else:
-            started = time.monotonic()
-            batch = self.relay.claim(limit, after) if after else self.relay.claim(limit)
-            self.searched_at = time.monotonic()
-            self.search_cost = self.searched_at - started
+            with self.heads.timed():
+                batch = self.relay.claim(limit, after) if after else self.relay.claim(limit)
         self.claimed += len(batch.rows)
         return batch
-
-    def heads_due(self) -> bool:
-        """Whether a claim behind runs looks for heads too (:data:`HEADS_EVERY`)."""
-        wait = max(HEADS_EVERY, self.search_cost * (1 - HEADS_SHARE) / HEADS_SHARE)
-        return time.monotonic() - self.searched_at >= wait
 
     def fresh(self, batch: Batch) -> Batch:
         """``batch``, or, if its lease no longer covers a send, a batch claimed in its place
