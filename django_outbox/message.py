@@ -116,10 +116,9 @@ def encode_headers(event: OutboxEvent) -> dict[str, Any]:
         attempt=event.retry_count + 1,
         sequence=event.pk,
     )
-    # Set by the claim on ordered rows only (OutboxEventQuerySet.claim).
-    previous = getattr(event, "previous_sequence", None)
-    if previous is not None:
-        headers["previous_sequence"] = previous
+    # Set by the claim on ordered rows only (django_outbox.ordering).
+    if event.previous_sequence is not None:
+        headers["previous_sequence"] = event.previous_sequence
     # getattr: a row built by hand (a test, a custom backend) may not carry the column.
     if getattr(event, "replay_count", 0):
         headers[REPLAY_HEADER] = event.replay_count

@@ -110,6 +110,15 @@ class OutboxEvent(models.Model):
     updated_at = models.DateTimeField(_("updated at"), auto_now=True)
     sent_at = models.DateTimeField(_("sent at"), null=True, blank=True)
 
+    # Not columns: what an ordered claim tells the relay about a row it claimed
+    # (django_outbox.ordering, relay/runs.py). The class's defaults hold on every other row.
+    #: The ``sequence`` of its aggregate's event published before it (0: none), sent as the
+    #: ``previous_sequence`` header. None: not claimed as an ordered row.
+    previous_sequence: int | None = None
+    #: A follower in an ordered run: the id of the row before it in the run, whose confirm
+    #: the relay waits for before it sends this one. None: not a follower.
+    run_follows: int | None = None
+
     objects = OutboxEventQuerySet.as_manager()
 
     class Meta:

@@ -240,8 +240,8 @@ class Followers:
                 follower = free.get(pk)
                 if follower is None:  # not due, or locked: the run ends before it
                     break
-                follower.run_follows = before  # type: ignore[attr-defined]
-                follower.previous_sequence = before  # type: ignore[attr-defined]
+                follower.run_follows = before
+                follower.previous_sequence = before
                 taken.append(follower)
                 before = pk
         return taken
@@ -302,7 +302,7 @@ def set_previous_sequences(
     )
     for row in rows:
         if row.pk in previous:
-            row.previous_sequence = previous[row.pk] or 0  # type: ignore[attr-defined]
+            row.previous_sequence = previous[row.pk] or 0
 
 
 def dead_head_note(event: Any) -> str:

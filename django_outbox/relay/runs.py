@@ -65,7 +65,7 @@ class Runs:
     def of(cls, rows: list[OutboxEvent], after: Sequence[OutboxEvent] = ()) -> Runs | None:
         """The runs among ``rows``, claimed behind ``after``; None when no row is a
         follower (the batch is sent whole)."""
-        if not any(getattr(row, "run_follows", 0) for row in rows):
+        if all(row.run_follows is None for row in rows):
             return None
         return cls(rows, frozenset(row.pk for row in after))
 
@@ -83,8 +83,8 @@ class Runs:
         firsts: list[int] = []
         orphans: list[int] = []
         for index, row in enumerate(self.rows):
-            before = getattr(row, "run_follows", 0)
-            if not before or before in self.after_ok:
+            before = row.run_follows
+            if before is None or before in self.after_ok:
                 firsts.append(index)
             elif before in position:
                 self.next_in_run[position[before]] = index
@@ -141,8 +141,7 @@ class Runs:
         return [
             row
             for index, row in enumerate(self.rows)
-            if index not in self.next_in_run
-            and (index in followed or bool(getattr(row, "run_follows", 0)))
+            if index not in self.next_in_run and (index in followed or row.run_follows is not None)
         ]
 
 
