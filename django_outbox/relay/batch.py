@@ -19,13 +19,13 @@ if TYPE_CHECKING:
 class Stage(enum.Enum):
     """Where a batch is. Every batch ends SETTLED or RELEASED.
 
-    CLAIMED -> SENT -> COLLECTED -> SETTLED is the way of a batch the broker answered for;
+    CLAIMED -> IN_FLIGHT -> COLLECTED -> SETTLED is the way of a batch the broker answered for;
     a batch the relay stops holding before it is settled (a stop, an outage, an error, a
     lease too short to send it on) is RELEASED: its rows are due again at once.
     """
 
     CLAIMED = "claimed"  # leased under the batch's token, not handed to the broker
-    SENT = "sent"  # handed to the backend; confirms not collected yet
+    IN_FLIGHT = "in_flight"  # handed to the backend; confirms not collected yet (rows PENDING)
     COLLECTED = "collected"  # one result per row
     SETTLED = "settled"  # the results are recorded on the rows
     RELEASED = "released"  # given back unsettled, due again at once
@@ -59,7 +59,7 @@ class Batch:
     @property
     def held(self) -> bool:
         """Rows still leased by this relay and not settled: someone must release them."""
-        return bool(self.rows) and self.stage in (Stage.CLAIMED, Stage.SENT, Stage.COLLECTED)
+        return bool(self.rows) and self.stage in (Stage.CLAIMED, Stage.IN_FLIGHT, Stage.COLLECTED)
 
     @property
     def connection_lost(self) -> bool:

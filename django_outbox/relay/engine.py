@@ -201,7 +201,7 @@ class Relay:
 
     def send(self, batch: Batch) -> Batch:
         """Hand the batch to the backend; its results are collected later."""
-        batch.stage = Stage.SENT
+        batch.stage = Stage.IN_FLIGHT
         batch.spans = tracing.start_publish(batch.rows, self.backend)
         first = batch.runs.first_wave() if batch.runs is not None else None
         if first is None:

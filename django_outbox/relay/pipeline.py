@@ -1,8 +1,8 @@
 """A drain, pipelined: the relay, the database and the broker work at the same time.
 
-Two batches are kept written to the broker (``IN_FLIGHT``); while their confirms come back,
-the batch before them is settled and the one after them claimed, each in its own short
-transaction, on the claims lane and the settles lane (:mod:`.lanes`)::
+Two batches are kept in flight, written to the broker (``MAX_IN_FLIGHT``); while their
+confirms come back, the batch before them is settled and the one after them claimed, each in
+its own short transaction, on the claims lane and the settles lane (:mod:`.lanes`)::
 
     claim N+1 (claims lane)   send N, N+1 ... collect N   settle N-1 (settles lane)
 
@@ -33,7 +33,7 @@ logger = logging.getLogger("django_outbox.relay")
 
 #: Batches a draining relay keeps written to the broker and not yet confirmed: the broker
 #: works on one while the relay writes the next.
-IN_FLIGHT = 2
+MAX_IN_FLIGHT = 2
 
 
 class Pipeline:
@@ -54,7 +54,7 @@ class Pipeline:
         self.total = PassResult()
         self.claimed = 0  # rows claimed so far, for max_events
         self.ahead: Future[Batch] = done(Batch.empty())  # claimed, not sent yet
-        self.in_flight: deque[Batch] = deque()  # sent, oldest first
+        self.in_flight: deque[Batch] = deque()  # Stage.IN_FLIGHT, oldest first
         self.settling: Future[PassResult] | None = None  # the last batch collected
         # Ids the broker confirmed in the last batch with ordered runs collected: the next
         # batch, claimed behind its runs, sends only the followers of these.
@@ -91,7 +91,7 @@ class Pipeline:
 
     def fill(self) -> None:
         """Send batches while the window has room and rows are due."""
-        while len(self.in_flight) < IN_FLIGHT:
+        while len(self.in_flight) < MAX_IN_FLIGHT:
             batch, self.ahead = self.ahead.result(), done(Batch.empty())
             if batch.rows and self.should_stop():
                 self.ahead = done(batch)  # released on the way out
