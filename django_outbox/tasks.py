@@ -61,7 +61,7 @@ def _drain(relay: Relay, job: str, max_events: int | None = None) -> dict[str, A
     with run_lock(job, relay.using) as held:
         if not held:
             return _skipped(job)
-        result = relay.run_once(max_events=max_events)
+        result = relay.drain(max_events=max_events)
     logger.info("%s: %s", job, result.summary())
     return _pass_summary(result)
 

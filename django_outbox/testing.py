@@ -34,7 +34,7 @@ def relay_now(**relay_options: Any) -> Any:
     """Drain every due event through the in-memory backend; returns the PassResult."""
     from .relay import Relay
 
-    return Relay(backend=locmem.LocmemBackend(), **relay_options).run_once()
+    return Relay(backend=locmem.LocmemBackend(), **relay_options).drain()
 
 
 def assert_emitted(event_type: str, *, count: int = 1, **fields: Any) -> list[OutboxEvent]:

@@ -470,7 +470,7 @@ def test_relay_marks_rows_sent_only_when_confirmed(broker: Broker) -> None:
         box.emit("ORDER_PAID", aggregate_type="orders.Order", aggregate_id=9, payload={"n": 9})
     relay = Relay(backend=backend_for(broker), batch_size=10)
     try:
-        result = relay.run_batch()
+        result = relay.relay_batch()
     finally:
         relay.close()
     assert result.found == 4

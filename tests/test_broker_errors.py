@@ -174,7 +174,7 @@ def test_the_long_running_relay_retries_and_logs_the_cause(amqp_url, caplog) -> 
     caplog.set_level("WARNING", logger="django_outbox.relay")
     relay = Relay(backend=PikaBackend(broker_url=spoil(amqp_url)), db_thread=False)
     stop = threading.Event()
-    runner = threading.Thread(target=relay.run, kwargs={"stop": stop, "interval": 0.1})
+    runner = threading.Thread(target=relay.serve, kwargs={"stop": stop, "interval": 0.1})
     runner.start()
     try:
         assert wait_for(lambda: caplog.text.count(words) >= 2, timeout=20), caplog.text

@@ -460,7 +460,7 @@ def test_what_emit_accepts_at_every_limit_the_relay_sends(broker):
     queue = broker.bind_all("#")
     relay = Relay(backend=backend_for(broker), batch_size=10)
     try:
-        relay.run_batch()
+        relay.relay_batch()
     finally:
         relay.close()
     [(method, props, body)] = broker.get_all(queue, 1)

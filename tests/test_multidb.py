@@ -164,7 +164,7 @@ def test_relay_counters_carry_the_database_label():
         return REGISTRY.get_sample_value("django_outbox_events_published_total", labels) or 0
 
     before = {alias: published(alias) for alias in BOTH}
-    result = Relay(backend=LocmemBackend(), using="other", db_thread=False).run_once()
+    result = Relay(backend=LocmemBackend(), using="other", db_thread=False).drain()
     assert result.sent == 3
     assert published("other") - before["other"] == 3
     assert published("default") == before["default"]
@@ -429,7 +429,7 @@ def test_a_dead_letter_alert_names_its_database(caplog):
 
     make_events({"retry_count": 99}, using="other")
     locmem.fail_next.append(Reason.NACKED)
-    result = Relay(backend=LocmemBackend(), using="other", db_thread=False).run_once()
+    result = Relay(backend=LocmemBackend(), using="other", db_thread=False).drain()
     locmem.reset()
     assert result.dead == 1
     assert "database=other" in caplog.text  # the default LoggingChannel

@@ -295,7 +295,7 @@ def test_a_run_whose_lease_runs_short_gives_the_rest_back():
         return sends <= 2 and covers(batch)
 
     relay.lease_covers_a_send = two_sends_only  # type: ignore[method-assign]
-    result = relay.run_batch()
+    result = relay.relay_batch()
     assert published() == ids(made[:3])  # the first wave, then two more
     assert (result.sent, result.held_back, result.failed) == (3, 2, 0)
     given_back = OutboxEvent.objects.filter(pk__in=ids(made[3:]), lease_token="")

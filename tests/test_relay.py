@@ -320,12 +320,12 @@ def test_backend_bug_counts_as_a_failed_attempt():
     assert "RuntimeError: bug" in OutboxEvent.objects.get().last_error
 
 
-def test_run_stops_on_event_and_beats(tmp_path):
+def test_serve_stops_on_event_and_beats(tmp_path):
     emit_many(5)
     stop = threading.Event()
     heartbeat = tmp_path / "hb" / "beat"
     relay = make_relay(heartbeat_file=str(heartbeat))
-    thread = db_thread(relay.run, stop=stop, interval=0.05)
+    thread = db_thread(relay.serve, stop=stop, interval=0.05)
     thread.start()
     try:
         for _ in range(100):
@@ -610,7 +610,7 @@ def test_after_a_pass_that_found_events_the_relay_looks_again_sooner():
     stop = threading.Event()
     # One more event arrives while the relay sleeps the first time.
     waker = RecordingWaker(stop, stop_at=3, at={1: lambda: emit_many(1)})
-    total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
+    total = make_relay(db_thread=False).serve(stop=stop, interval=2.0, waker=waker)
     assert total.sent == 4
     assert waker.waits == [pytest.approx(0.2), pytest.approx(0.2), 2.0]
 
@@ -623,7 +623,7 @@ def test_after_a_wake_up_the_relay_looks_again_within_the_waker_s_recheck():
     emit_many(2)
     stop = threading.Event()
     waker = RecordingWaker(stop, stop_at=3, recheck=0.05, woken={1})  # a NOTIFY ends sleep 1
-    total = make_relay(db_thread=False).run(stop=stop, interval=2.0, waker=waker)
+    total = make_relay(db_thread=False).serve(stop=stop, interval=2.0, waker=waker)
     assert total.sent == 2
     # found events; woken, found nothing; idle
     assert waker.waits == [pytest.approx(0.05), pytest.approx(0.05), 2.0]
@@ -644,7 +644,9 @@ def test_a_commit_that_sent_no_notify_is_relayed_within_the_window(monkeypatch):
     listener = wake.PostgresNotifyWaker(threading.Event(), "default", "django_outbox")
     raw = listener._listen()
     relay, stop = make_relay(db_thread=False), threading.Event()
-    thread = db_thread(relay.run, stop=stop, interval=120.0, waker=wake.make_waker("default", stop))
+    thread = db_thread(
+        relay.serve, stop=stop, interval=120.0, waker=wake.make_waker("default", stop)
+    )
     thread.start()
     try:
         time.sleep(0.5)  # the relay's first pass found nothing: it listens and sleeps

@@ -403,7 +403,7 @@ def test_one_trace_from_the_span_around_emit_to_the_consumers_process_span(spans
     with tracer().start_as_current_span("POST /orders") as request:
         order = create_order(user_id=3, amount=Decimal("5.00"))
     backend = PikaBackend(broker_url=broker.url, exchange=broker.exchange)
-    assert Relay(backend=backend).run_once().sent == 1
+    assert Relay(backend=backend).drain().sent == 1
     result = consumer.serve(until_idle=True)
     assert result.counts[Outcome.PROCESSED] == 1
     assert PointsLedger.objects.get().order_number == order.number
@@ -436,7 +436,7 @@ def test_two_events_of_two_traces_relayed_in_one_batch_each_keep_their_trace(spa
         requests.append(request.get_span_context().trace_id)
     assert requests[0] != requests[1]
     backend = PikaBackend(broker_url=broker.url, exchange=broker.exchange)
-    result = Relay(backend=backend, batch_size=10).run_once()
+    result = Relay(backend=backend, batch_size=10).drain()
     assert (result.sent, result.batches) == (2, 1)
     assert consumer.serve(until_idle=True).counts[Outcome.PROCESSED] == 2
 

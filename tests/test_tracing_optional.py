@@ -26,7 +26,7 @@ ROUND_TRIP = """
 
     with request_span():
         create_order(user_id=1, amount=Decimal("3"))
-    assert Relay(backend=locmem.LocmemBackend()).run_once().sent == 1
+    assert Relay(backend=locmem.LocmemBackend()).drain().sent == 1
     (results,) = process_messages(
         locmem.outbox, dispatcher=Dispatcher(handlers=["points.handlers.AwardPointsHandler"])
     )

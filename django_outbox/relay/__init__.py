@@ -1,7 +1,7 @@
 """The relay: claim -> send -> collect -> settle. One engine for publish_outbox and
 compensate_outbox.
 
-- :mod:`.engine`: :class:`Relay`, the steps of a batch, ``drain()``, ``run()``
+- :mod:`.engine`: :class:`Relay`, the steps of a batch, ``drain()`` (one pass), ``serve()``
 - :mod:`.pipeline`: a drain with batches in flight while others are claimed and settled
 - :mod:`.batch`: a batch and its stages, :class:`PassResult`, :class:`BrokerOutage`
 - :mod:`.runs`: ordered mode on the relay, a batch's runs sent one confirm after another

@@ -145,9 +145,9 @@ class Relay:
         heartbeat = outbox_settings.HEARTBEAT_FILE if heartbeat_file is None else heartbeat_file
         self.heartbeat = Heartbeat(heartbeat)
         self.db_thread = db_thread  # None: OUTBOX_DB_THREAD
-        self.pass_limit = pass_limit  # run_once()'s max_events when it is given none
+        self.pass_limit = pass_limit  # drain()'s max_events when it is given none
         self._opened = False
-        self._run_lanes: ThreadLanes | None = None  # run()'s, for all its drains
+        self._serve_lanes: ThreadLanes | None = None  # serve()'s, for all its drains
         # What the backend has been sent and not yet waited for, oldest first (its wait()
         # answers in this order): a batch, and which of its rows (None: all of them). A
         # batch with ordered runs is sent in several waves, interleaved with other batches.
@@ -299,7 +299,7 @@ class Relay:
         return time.monotonic() - batch.claimed_at < self.lease_seconds - timeout - LEASE_MARGIN
 
     # -- passes ------------------------------------------------------------------------------
-    def run_batch(self, limit: int | None = None) -> PassResult:
+    def relay_batch(self, limit: int | None = None) -> PassResult:
         """Claim, send, collect and settle one batch. Raises BrokerOutage after releasing it."""
         batch = self.claim(limit or self.batch_size)
         if not batch.rows:
@@ -315,27 +315,32 @@ class Relay:
         max_events: int | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> PassResult:
-        """Run batches until nothing is due (or ``max_events``), then alert on dead rows.
+        """One pass (``publish_outbox --once``, ``compensate_outbox``, the Celery tasks,
+        ``relay_now()``): batches until nothing is due, at most ``max_events`` (default:
+        the compensator's ``max_batch``), then alert on dead rows and close the backend.
 
-        Pipelined (see :class:`~django_outbox.relay.pipeline.Pipeline`): while the broker
-        confirms the batches in flight, the one before them is settled and the one after
-        them claimed. Raises BrokerOutage when the broker went away (after alerting on what
-        died).
+        Raises BrokerOutage when the broker went away (after alerting on what died).
         """
-        with self._lanes() as lanes:
-            pipeline = Pipeline(self, lanes, max_events=max_events, should_stop=should_stop)
-            return pipeline.run()
-
-    def run_once(self, *, max_events: int | None = None) -> PassResult:
-        """One pass (``publish_outbox --once``, ``compensate_outbox``, the Celery tasks):
-        drain what is due, at most ``max_events`` (default: the compensator's
-        ``max_batch``), then close the backend."""
         try:
-            return self.drain(max_events=self.pass_limit if max_events is None else max_events)
+            return self._drain(
+                max_events=self.pass_limit if max_events is None else max_events,
+                should_stop=should_stop,
+            )
         finally:
             self.close()
 
-    def run(
+    def _drain(self, *, max_events: int | None, should_stop: Callable[[], bool]) -> PassResult:
+        """:meth:`drain` without closing the backend (:meth:`serve` keeps it open).
+
+        Pipelined (see :class:`~django_outbox.relay.pipeline.Pipeline`): while the broker
+        confirms the batches in flight, the one before them is settled and the one after
+        them claimed.
+        """
+        with self._lanes() as lanes:
+            pipeline = Pipeline(self, lanes, max_events=max_events, should_stop=should_stop)
+            return pipeline.drain()
+
+    def serve(
         self,
         *,
         stop: threading.Event,
@@ -343,7 +348,8 @@ class Relay:
         waker: Waker | None = None,
         max_events: int | None = None,
     ) -> PassResult:
-        """Relay until ``stop`` is set: drain, then sleep until woken or ``interval``.
+        """Relay until ``stop`` is set (``publish_outbox``): drain, then sleep until woken or
+        ``interval``, again.
 
         Never dies on a transient error (a broker or database outage): it backs off and
         tries again; the liveness probe catches a relay that stops making progress. A broker
@@ -355,9 +361,9 @@ class Relay:
         waker = waker or make_waker(self.using, stop)
         total = PassResult()
         woken = False  # the last wait was ended by a wake-up
-        if self._run_lanes is None and self._can_use_a_thread():
-            # One set of lanes (and database connections) for every drain of this run.
-            self._run_lanes = self._new_lanes()
+        if self._serve_lanes is None and self._can_use_a_thread():
+            # One set of lanes (and database connections) for every drain it makes.
+            self._serve_lanes = self._new_lanes()
         logger.info(
             "[%s] relay started: backend=%s batch_size=%d interval=%ss wake=%s",
             self.job,
@@ -374,7 +380,7 @@ class Relay:
             remaining = None if max_events is None else max_events - total.found
             if remaining is not None and remaining <= 0:
                 return True
-            result = self.drain(max_events=remaining, should_stop=stop.is_set)
+            result = self._drain(max_events=remaining, should_stop=stop.is_set)
             total.add(result)
             if result.found:
                 logger.info("[%s] %s", self.job, result.summary())
@@ -413,9 +419,9 @@ class Relay:
         finally:
             waker.close()
             self._close_backend()
-            if self._run_lanes is not None:
-                self._run_lanes.close()
-                self._run_lanes = None
+            if self._serve_lanes is not None:
+                self._serve_lanes.close()
+                self._serve_lanes = None
             tidy_connections()
         return total
 
@@ -597,11 +603,11 @@ class Relay:
     # -- database lanes, connections, heartbeat ----------------------------------------------
     @contextmanager
     def _lanes(self) -> Iterator[Lanes]:
-        """Where a drain does its database work: run()'s lanes when it started some, else
+        """Where a drain does its database work: serve()'s lanes when it started some, else
         lanes for this drain, else (SQLite, inside a transaction, OUTBOX_DB_THREAD off)
         this thread."""
-        if self._run_lanes is not None:
-            yield self._run_lanes
+        if self._serve_lanes is not None:
+            yield self._serve_lanes
             return
         if not self._can_use_a_thread():
             yield INLINE
@@ -624,8 +630,8 @@ class Relay:
 
     def _tidy(self) -> None:
         tidy_connections()
-        if self._run_lanes is not None:
-            self._run_lanes.each_connection(tidy_connections)
+        if self._serve_lanes is not None:
+            self._serve_lanes.each_connection(tidy_connections)
 
     def beat(self) -> None:
         """Touch the heartbeat file, for a liveness probe."""

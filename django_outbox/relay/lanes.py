@@ -26,16 +26,16 @@ class Lanes:
     """
 
     def claim(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._run(fn, *args)
+        return self._call(fn, *args)
 
     def settle(self, fn: Callable[..., R], *args: Any) -> Future[R]:
-        return self._run(fn, *args)
+        return self._call(fn, *args)
 
     def each_connection(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on every thread that has a database connection of its own."""
 
     @staticmethod
-    def _run(fn: Callable[..., R], *args: Any) -> Future[R]:
+    def _call(fn: Callable[..., R], *args: Any) -> Future[R]:
         future: Future[R] = Future()
         try:
             future.set_result(fn(*args))

@@ -61,7 +61,7 @@ class Pipeline:
         self.confirmed: frozenset[int] = frozenset()
         self.heads = HeadSearch()  # when claims behind runs look for heads (claims lane)
 
-    def run(self) -> PassResult:
+    def drain(self) -> PassResult:
         self.ahead = self.lanes.claim(self.claim)
         try:
             while self.turn():

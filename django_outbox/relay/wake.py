@@ -4,7 +4,7 @@
 The NOTIFY window's promise, kept by both sides: a commit that sends no NOTIFY because its
 process sent one less than :data:`~django_outbox.notify.NOTIFY_WINDOW` ago is found by a
 relay within about that long. Each relay that the NOTIFY woke (or that found events) looks
-again ``NOTIFY_WINDOW`` after its pass (:attr:`Waker.recheck`, ``Relay.run``), and that is
+again ``NOTIFY_WINDOW`` after its pass (:attr:`Waker.recheck`, ``Relay.serve``), and that is
 after the skipped commit: the NOTIFY was sent before it, and the relay received it after.
 """
 

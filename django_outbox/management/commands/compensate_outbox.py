@@ -59,7 +59,7 @@ class Command(DatabaseCommand):
             raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         try:
             with database_errors("compensate_outbox", relay.using):
-                result = relay.run_once()
+                result = relay.drain()
         except BrokerOutage as exc:
             raise CommandError(
                 f"compensate_outbox: the broker is unreachable ({exc}); the rows stay PENDING "

@@ -102,7 +102,7 @@ class Command(DatabaseCommand):
         if once:
             try:
                 with database_errors("publish_outbox", relay.using):
-                    result = relay.run_once(max_events=max_events)
+                    result = relay.drain(max_events=max_events)
             except BrokerOutage as exc:
                 raise CommandError(f"The broker is unreachable: {exc}", returncode=2) from exc
             self.stdout.write(f"publish_outbox: {result.summary()}")
@@ -112,5 +112,5 @@ class Command(DatabaseCommand):
 
         stop = threading.Event()
         with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
-            result = relay.run(stop=stop, interval=interval, max_events=max_events)
+            result = relay.serve(stop=stop, interval=interval, max_events=max_events)
         self.stdout.write(f"publish_outbox stopped: {result.summary()}")
