@@ -260,8 +260,8 @@ def test_a_failed_event_holds_back_the_rest_of_its_run_only(reason):
     assert {(r.status, r.retry_count, r.last_error, r.lease_token) for r in behind} == {
         (Status.PENDING, 0, "", "")
     }
-    assert result.held_back == 3
-    assert (result.sent, result.failed, result.dead) == (5, 1, 0)
+    assert (result.held_back, result.released, result.lost) == (3, 3, 0)
+    assert (result.found, result.sent, result.failed, result.dead) == (9, 5, 1, 0)
     # Once the failed event is due again, it goes first and its run follows it.
     OutboxEvent.objects.filter(pk=a[2].pk).update(
         next_retry_time=db_now() - timedelta(seconds=1), payload={}
@@ -275,8 +275,10 @@ def test_a_lost_connection_mid_run_releases_the_rest_and_raises_the_outage():
     from django_outbox.relay.batch import BrokerOutage
 
     made = hot(2) + hot(1, payload={"fail": "connection_lost"}) + hot(2)
-    with pytest.raises(BrokerOutage):
+    with pytest.raises(BrokerOutage) as outage:
         make_relay(backend=Recording(), db_thread=False).drain()
+    # The rest of the run is lost with the connection, not held back.
+    assert (outage.value.result.released, outage.value.result.held_back) == (3, 0)
     assert published() == ids(made[:2])
     assert OutboxEvent.objects.sent().count() == 2
     rest = OutboxEvent.objects.filter(pk__in=ids(made[2:]))
@@ -297,7 +299,7 @@ def test_a_run_whose_lease_runs_short_gives_the_rest_back():
     relay.lease_covers_a_send = two_sends_only  # type: ignore[method-assign]
     result = relay.relay_batch()
     assert published() == ids(made[:3])  # the first wave, then two more
-    assert (result.sent, result.held_back, result.failed) == (3, 2, 0)
+    assert (result.sent, result.held_back, result.released, result.failed) == (3, 2, 2, 0)
     given_back = OutboxEvent.objects.filter(pk__in=ids(made[3:]), lease_token="")
     assert given_back.filter(leased_until__isnull=True).count() == 2
 
@@ -315,7 +317,7 @@ def test_a_batch_claimed_behind_an_unconfirmed_event_is_given_back_unsent():
     relay.send(behind)
     assert relay.backend.sends == []
     result = relay.settle(relay.collect(behind))
-    assert (result.sent, result.held_back, result.failed) == (0, 2, 0)
+    assert (result.sent, result.held_back, result.released, result.failed) == (0, 2, 2, 0)
     assert locmem.outbox == []
 
 

@@ -87,14 +87,20 @@ class BrokerOutage(Exception):
 
 @dataclass
 class PassResult:
-    """Totals of one or more batches."""
+    """Totals of one or more settled batches.
+
+    Each row found ends sent, failed (``dead`` of them went DEAD) or released: given back
+    without an attempt counted, either held back (the rest of an ordered run behind an event
+    that was not confirmed) or lost (the connection to the broker went away before its
+    confirm). A row another relay took over (this one outlived its lease) is none of these.
+    """
 
     found: int = 0
     sent: int = 0
     failed: int = 0
     dead: int = 0
-    released: int = 0
-    held_back: int = 0  # events of ordered runs given back unsent behind a failed one
+    released: int = 0  # every row given back: held back or lost
+    held_back: int = 0  # of which events of ordered runs, unsent behind a failed one
     batches: int = 0
     dead_events: list[OutboxEvent] = field(default_factory=list, repr=False)
     #: The failed attempts by (reason, error): what the commands say went wrong, and the fix.
@@ -110,6 +116,11 @@ class PassResult:
         self.batches += other.batches
         self.dead_events.extend(other.dead_events)
         self.failures.update(other.failures)
+
+    @property
+    def lost(self) -> int:
+        """Rows released because the connection went away under them."""
+        return self.released - self.held_back
 
     def summary(self) -> str:
         return f"found={self.found} sent={self.sent} failed={self.failed} dead={self.dead}"

@@ -247,8 +247,8 @@ class Relay:
         batch.stage = Stage.SETTLED
         result.batches = 1
         metrics.batch_duration(time.monotonic() - batch.claimed_at, self.job, self.using)
-        if result.released:
-            raise BrokerOutage(f"connection lost with {result.released} events unconfirmed", result)
+        if result.lost:
+            raise BrokerOutage(f"connection lost with {result.lost} events unconfirmed", result)
         return result
 
     def release(self, batch: Batch, error: str | None = None) -> int:
@@ -473,7 +473,8 @@ class Relay:
                 # Not attempted: due again at once, behind the failed event (or the head
                 # that is claimed again with them), last_error kept.
                 result.held_back = events.release(token, held)
-            taken = len(failed) - result.failed + len(lost) - result.released
+                result.released += result.held_back
+            taken = len(failed) - result.failed + len(lost) - result.lost
             if taken:
                 logger.warning(
                     "[%s] %d of %d failed or unconfirmed events had been taken over by "
