@@ -1,4 +1,6 @@
-"""Ordered delivery per aggregate: which rows are ordered, and which of them are heads.
+"""Ordered delivery per aggregate, the claim's side: which rows are ordered, which of them
+are heads, and the runs a claim takes behind the heads. :mod:`django_outbox.relay.runs`
+tells ordered mode from the claim to the settle, and holds the relay's side.
 
 An *ordered* row (``OUTBOX_ORDERED``: ``True`` for every event, or a list of event types
 and/or aggregate types) with a non-empty ``aggregate_id`` may only be claimed while it is
@@ -7,8 +9,17 @@ the *head* of its aggregate: no earlier ordered row of the same (``aggregate_typ
 default ``OUTBOX_ORDERED_DEAD_HEAD = "block"``, DEAD. The rule is a filter (``id IN`` the
 aggregates' heads) inside the claim query itself (see :meth:`OutboxEventQuerySet.claim`),
 so it holds across any number of relays and the compensator without a lock table or an
-advisory lock: a head
-stays PENDING until it is SENT, and while it is PENDING every claim excludes its successors.
+advisory lock: a head stays PENDING until it is SENT, and while it is PENDING every claim
+excludes its successors.
+
+**Runs.** With ``OUTBOX_ORDERED_RUN`` > 1 the claim takes, behind each head it leased,
+the next PENDING ordered rows of its aggregate, its *followers* (:func:`runs_behind`,
+:meth:`Followers.chain`), leased under the same token; and behind the last row of each run
+of the relay's batch in flight (the claim's ``after``), the rows that follow it. Each
+claimed ordered row carries ``OutboxEvent.previous_sequence`` (a head's from
+:func:`set_previous_sequences`; a follower's is the row before it) and a follower
+``OutboxEvent.run_follows``: typed attributes of the row, read by the relay and the
+message's headers.
 
 Rows without an ``aggregate_id`` are never ordered: they have no aggregate to wait for.
 See docs/ordered.md for the guarantee and what it assumes about the writers.

@@ -304,7 +304,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         after: Sequence[OutboxEvent] = (),
         heads: bool = True,
     ) -> tuple[str, list[OutboxEvent]]:
-        """Lease up to ``limit`` rows of this queryset, oldest first, for one relay pass.
+        """Lease up to ``limit`` rows of this queryset, oldest first: one relay batch.
 
         Rows are locked with ``SELECT ... FOR UPDATE SKIP LOCKED`` in a short transaction
         that sets ``leased_until`` to ``lease_seconds`` ahead and stamps a fresh
@@ -317,26 +317,17 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         ``stale()``.
 
         Ordered mode (``ordered``/``dead_head`` default to ``OUTBOX_ORDERED`` and
-        ``OUTBOX_ORDERED_DEAD_HEAD``): ordered rows are taken only while they are their
-        aggregate's head (its earliest PENDING, or DEAD unless skipped, ordered row), by a
-        filter in this same locking query (see :func:`django_outbox.ordering.heads_only`),
-        so a successor is never claimed while its predecessor is PENDING (leased, in
-        backoff) or DEAD. A second statement reads each claimed head's
-        ``previous_sequence`` for the consumers. Unordered rows skip both.
-
-        ``run`` > 1 (the relay passes ``OUTBOX_ORDERED_RUN``): while the heads leave room
-        in the batch, each claimed head brings up to ``run - 1`` of its aggregate's next
-        events, leased under the same token (see :meth:`_claim_runs`). The relay publishes
-        such a *follower* only after its predecessor's confirm (``run_follows``).
-        ``after``: rows of an earlier claim that this relay has seen confirmed and not yet
-        settled (the last event of each run of its last batch); their aggregates' next
-        events are taken as runs too, as if they followed a head of this claim.
-
-        ``heads=False``: only those runs behind ``after``; no unordered row and no head is
-        looked for. Finding heads reads every unsent ordered row (they are grouped by
-        aggregate), so its cost follows the backlog, while continuing a run reads only the
-        run; the relay leaves the search out of some of its claims behind runs
-        (:data:`django_outbox.relay.runs.HEADS_EVERY`).
+        ``OUTBOX_ORDERED_DEAD_HEAD``; :mod:`django_outbox.ordering` tells it): an ordered row
+        is taken only while it is its aggregate's head, by a filter in this same locking
+        query, and a second statement reads each claimed head's ``previous_sequence``.
+        Unordered rows skip both. With ``run`` > 1 (the relay passes
+        ``OUTBOX_ORDERED_RUN``), while the heads leave room in the batch, each claimed head
+        brings up to ``run - 1`` followers, leased under the same token; so does each row of
+        ``after`` (the last event of each run of this relay's batch in flight, confirmed and
+        not yet settled), up to ``run``. ``heads=False``: only the runs behind ``after``,
+        no head and no unordered row: finding heads reads the whole unsent ordered backlog,
+        continuing a run only the run, so the relay leaves the search out of some of its
+        claims (:class:`django_outbox.relay.runs.HeadSearch`).
         """
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered

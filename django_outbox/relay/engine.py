@@ -2,23 +2,27 @@
 compensate_outbox.
 
 1. **Claim** a batch of due rows in a short transaction (``SELECT ... FOR UPDATE SKIP
-   LOCKED``) that pushes their ``next_retry_time`` forward as a lease and stamps a lease
-   token. The transaction commits before anything is sent.
-2. **Send** the batch through the backend, outside any transaction.
+   LOCKED``; on PostgreSQL one ``UPDATE ... RETURNING``) that leases them: it sets
+   ``leased_until`` and stamps a lease token, columns in no index (migration 0008). The
+   transaction commits before anything is sent.
+2. **Send** the batch through the backend, outside any transaction: it is in flight.
 3. **Collect** the broker's answer: one result per row (confirmed, or why not).
 4. **Settle** in one short transaction: confirmed rows become SENT; failed ones get
    ``retry_count + 1``, ``last_error`` and their next due time from the retry policy, or
-   DEAD past it. Every update is fenced on the lease token, so a relay that was frozen past
-   its lease cannot overwrite what another relay settled since.
+   DEAD past it; rows the connection was lost under, and the rest of an ordered run behind
+   a failed event (held back), are released. Every update is fenced on the lease token, so
+   a relay that was frozen past its lease cannot overwrite what another relay settled since.
 
-A batch the relay stops holding before it is settled (a stop, an outage, an error) is
-**released**: its rows are due again at once, no attempt counted. A relay killed anywhere
-leaves rows that are due again once their lease runs out: duplicates are possible, loss is
-not. A broker that cannot be reached is not the events' fault: the batch is released and
-the relay backs off.
+A batch the relay stops holding before it is settled (a stop, an outage, an error, a lease
+too short to send it on) is **released**: its rows are due again at once, no attempt
+counted. A relay killed anywhere leaves rows that are due again once their lease runs out:
+duplicates are possible, loss is not. A broker that cannot be reached is not the events'
+fault: the batch is released and the relay backs off.
 
-:class:`Relay` holds the steps; :mod:`.pipeline` runs them for many batches at once;
-the row writes themselves are :class:`~django_outbox.querysets.OutboxEventQuerySet` methods.
+:class:`Relay` holds the steps, :meth:`Relay.drain` is one pass (until nothing is due) and
+:meth:`Relay.serve` the loop of ``publish_outbox``; :mod:`.pipeline` runs the steps for
+several batches at once; :mod:`.runs` sends ordered runs; the row writes themselves are
+:class:`~django_outbox.querysets.OutboxEventQuerySet` methods.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def stale_source(stale_after: float) -> Callable[[OutboxEventQuerySet], OutboxEv
     """What compensate_outbox claims: due rows created at least ``stale_after`` s ago."""
 
     def source(queryset: OutboxEventQuerySet) -> OutboxEventQuerySet:
-        # due() leaves out rows a live relay holds: their lease keeps them in the future.
+        # due() leaves out rows a live relay holds: their lease has not run out.
         return queryset.due().stale(stale_after)
 
     return source

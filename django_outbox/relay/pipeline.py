@@ -124,8 +124,8 @@ class Pipeline:
     def after_the_last(self) -> bool:
         """Nothing in flight: settle the last batch; True if the drain goes on."""
         result = self.wait_for_settling()
-        # In ordered mode a batch holds one event per aggregate: what it settled lets the
-        # next events of those aggregates become heads.
+        # In ordered mode what a batch settled lets the next events of its aggregates
+        # become heads.
         if result and self.ordered and (result.sent or result.dead) and not self.should_stop():
             self.ahead = self.lanes.claim(self.claim)
             return True
