@@ -161,12 +161,12 @@ _local_locks_guard = threading.Lock()
 
 
 @contextmanager
-def run_lock(name: str, using: str | None = None) -> Iterator[bool]:
-    """Try to take a database-wide lock named ``name``; yield whether this run holds it.
+def job_lock(name: str, using: str | None = None) -> Iterator[bool]:
+    """Try to take a database-wide lock named ``name``; yield whether this job holds it.
 
-    Never waits: a run that does not get the lock should skip. The lock is a session-level
+    Never waits: a job that does not get the lock should skip. The lock is a session-level
     lock of the database server (``pg_try_advisory_lock`` on PostgreSQL, ``GET_LOCK`` on
-    MySQL/MariaDB): it is held by the connection, not by a transaction, so the run may
+    MySQL/MariaDB): it is held by the connection, not by a transaction, so the job may
     commit as often as it likes, and it disappears with the connection if the process dies,
     so there is no expiry to guess. On SQLite it is a lock of this process only.
     """

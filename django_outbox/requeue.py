@@ -200,7 +200,7 @@ class RequeueResult:
     """What one run did (or, on a dry run, would do)."""
 
     selection: Selection
-    #: Rows the selection matched when the run started (all of them, whatever the limit).
+    #: Rows the selection matched when the requeue started (all of them, whatever the limit).
     matched: int
     #: Rows requeued; on a dry run, how many would be (the limit applied).
     changed: int = 0

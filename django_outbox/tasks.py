@@ -7,10 +7,10 @@ with ``shared_task`` so ``app.autodiscover_tasks()`` finds it in this app's ``ta
 module. :func:`django_outbox.celery.beat_schedule` schedules them.
 
 **Overlapping runs.** A run first takes a database lock named after the job
-(:func:`django_outbox.db.run_lock`: ``pg_try_advisory_lock`` on PostgreSQL, ``GET_LOCK``
-on MySQL/MariaDB) and, if another run holds it, returns at once with ``skipped``. The
+(:func:`django_outbox.db.job_lock`: ``pg_try_advisory_lock`` on PostgreSQL, ``GET_LOCK``
+on MySQL/MariaDB) and, if another job holds it, returns at once with ``skipped``. The
 database is the one thing every worker already shares, so no shared cache is needed; the
-lock belongs to the run's connection, so a worker that dies releases it with its
+lock belongs to the job's connection, so a worker that dies releases it with its
 connection, and there is no expiry to guess (a cache lock that expires before a long purge
 ends lets a second purge start; one that outlives a crashed worker blocks the job).
 
@@ -32,7 +32,7 @@ from typing import Any
 from celery import shared_task
 
 from .celery import COMPENSATE_TASK, PUBLISH_TASK, PURGE_TASK
-from .db import run_lock
+from .db import job_lock
 from .models import outbox_db
 from .purge import purge as purge_rows
 from .relay import BrokerOutage, PassResult, Relay
@@ -58,7 +58,7 @@ def _skipped(job: str) -> dict[str, Any]:
 
 
 def _drain(relay: Relay, job: str, max_events: int | None = None) -> dict[str, Any]:
-    with run_lock(job, relay.using) as held:
+    with job_lock(job, relay.using) as held:
         if not held:
             return _skipped(job)
         result = relay.drain(max_events=max_events)
@@ -98,7 +98,7 @@ def purge(
     """Delete old SENT rows and old inbox rows in batches, like ``purge_outbox`` (same
     settings)."""
     using = outbox_db(database)
-    with run_lock("purge", using) as held:
+    with job_lock("purge", using) as held:
         if not held:
             return _skipped("purge")
         result = purge_rows(

@@ -1,5 +1,5 @@
-"""What every long-running command shares: the run loop, its backoff, signals, heartbeat,
-and the broker nodes it connects to.
+"""What every long-running command shares: the serving loop, its backoff, signals,
+heartbeat, and the broker nodes it connects to.
 
 ``publish_outbox`` (the relay) and ``consume_outbox`` (the consumer) are both a loop that
 must never die on a transient failure (a broker restart, a database failover) and must stop
@@ -187,7 +187,7 @@ def keep_running(
     recoverable: type[Exception] | tuple[type[Exception], ...] = Exception,
     fail_over: Callable[[Exception], bool] | None = None,
 ) -> None:
-    """Call ``step()`` until it returns True (the run is over) or ``stop`` is set.
+    """Call ``step()`` until it returns True (the loop is over) or ``stop`` is set.
 
     A step that raises a ``recoverable`` error is reported with ``on_error(exc, pause)``
     (log it, close what it broke), then tried again after ``pause`` seconds, the backoff's

@@ -15,7 +15,7 @@ from django.utils import timezone
 from django_outbox import outbox, tasks
 from django_outbox.backends import locmem
 from django_outbox.celery import IdempotentTask, beat_schedule
-from django_outbox.db import DbNow, run_lock
+from django_outbox.db import DbNow, job_lock
 from django_outbox.message import ReceivedEvent, encode_task_envelope
 from django_outbox.models import InboxMessage, OutboxEvent, Status
 from orders.services import create_order
@@ -39,13 +39,13 @@ def emit(n: int, *, age: float = 0.0) -> list[int]:
 
 
 def held_elsewhere(name: str, using: str = "default"):
-    """Hold run_lock(name) from another thread (another database session) until released."""
+    """Hold job_lock(name) from another thread (another database session) until released."""
     taken, release = threading.Event(), threading.Event()
     outcome: list[bool] = []
 
     def hold() -> None:
         try:
-            with run_lock(name, using) as held:
+            with job_lock(name, using) as held:
                 outcome.append(held)
                 taken.set()
                 release.wait(30)
@@ -115,7 +115,7 @@ def test_a_lock_goes_with_its_connection(db_vendor):
     taken, checked, died = threading.Event(), threading.Event(), threading.Event()
 
     def hold_then_die() -> None:
-        context = run_lock(name)
+        context = job_lock(name)
         assert context.__enter__() is True
         taken.set()
         checked.wait(30)
@@ -126,13 +126,13 @@ def test_a_lock_goes_with_its_connection(db_vendor):
     thread.start()
     try:
         assert taken.wait(30)
-        with run_lock(name) as held:
+        with job_lock(name) as held:
             assert held is False
     finally:
         checked.set()
         thread.join(30)
     assert died.is_set()
-    with run_lock(name) as held:
+    with job_lock(name) as held:
         assert held is True
 
 

@@ -256,7 +256,7 @@ class BaseConsumer(ABC, Generic[M]):
         max_messages: int | None,
         until_idle: bool,
     ) -> bool:
-        """Consume on the open connection; True when the run is over."""
+        """Consume on the open connection; True when serving is over."""
         messages = self.messages()
         try:
             for message in messages:

@@ -245,7 +245,7 @@ def _shown_id(value: Any) -> str:
 
 @dataclass
 class ConsumeResult:
-    """Totals of a consumer run, per message (not per handler)."""
+    """Totals of one :meth:`BaseConsumer.serve`, per message (not per handler)."""
 
     messages: int = 0
     counts: dict[Outcome, int] = field(default_factory=lambda: dict.fromkeys(Outcome, 0))
