@@ -239,31 +239,27 @@ class IdempotentHandler:
             )
             return HandlerResult(exc.outcome, error=exc.reason, **result)
         except Exception as exc:
+            # The database's fault, not the message's: said, and marked for the dispatcher.
             if connection_lost(exc, connection, opened):
-                logger.warning(
-                    "handler %s: the connection to database %r was lost on %s %s; rolled back: %s",
-                    result["handler"],
-                    using,
-                    event.event_type,
-                    event.event_id,
-                    error_text(exc),
+                log, what, fault = (
+                    logger.warning,
+                    "the connection to database %r was lost",
+                    {"lost_database": using},
                 )
-                return HandlerResult(
-                    Outcome.FAILED, error=error_text(exc), lost_database=using, **result
-                )
-            if database_fault(exc):
-                logger.error(
-                    "handler %s: database %r failed on %s %s; rolled back: %s",
-                    result["handler"],
-                    using,
-                    event.event_type,
-                    event.event_id,
-                    error_text(exc),
-                )
-                return HandlerResult(
-                    Outcome.FAILED, error=error_text(exc), database_fault=using, **result
-                )
-            return self._failed(event, exc, result)
+            elif database_fault(exc):
+                log, what, fault = logger.error, "database %r failed", {"database_fault": using}
+            else:
+                return self._failed(event, exc, result)
+            error = error_text(exc)
+            log(
+                f"handler %s: {what} on %s %s; rolled back: %s",
+                result["handler"],
+                using,
+                event.event_type,
+                event.event_id,
+                error,
+            )
+            return HandlerResult(Outcome.FAILED, error=error, **fault, **result)
         return HandlerResult(outcome, **result)
 
     def _check_order(self, event: ReceivedEvent, using: str) -> None:

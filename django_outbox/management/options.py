@@ -12,24 +12,22 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
-def positive_int(value: str) -> int:
+def _whole_number(value: str, minimum: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} must be 1 or more")
+    if number < minimum:
+        raise argparse.ArgumentTypeError(f"{value!r} must be {minimum} or more")
     return number
+
+
+def positive_int(value: str) -> int:
+    return _whole_number(value, 1)
 
 
 def non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must be 0 or more")
-    return number
+    return _whole_number(value, 0)
 
 
 def duration(value: str) -> float:
