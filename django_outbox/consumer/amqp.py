@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
@@ -33,7 +33,6 @@ from .base import (
     default_queue_name,
 )
 from .dispatch import REASON_HEADER, Action, Decision
-from .handlers import IdempotentHandler
 
 __all__ = [
     "DELIVERY_HEADER",
@@ -110,30 +109,13 @@ class Consumer(BaseConsumer[AmqpMessage]):
     def __init__(
         self,
         *,
-        handlers: Iterable[str | type[IdempotentHandler]] | None = None,
-        url: str | Sequence[str] | None = None,
-        queue: str | None = None,
-        exchange: str | None = None,
         exchange_type: str | None = None,
-        prefetch: int | None = None,
-        max_retries: int | None = None,
         queue_type: str | None = None,
-        retry_delay: float = 1.0,
-        reconnect_max: float = 30.0,
-        idle_timeout: float = 1.0,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            handlers=handlers,
-            url=url,
-            queue=queue,
-            max_retries=max_retries,
-            retry_delay=retry_delay,
-            reconnect_max=reconnect_max,
-            idle_timeout=idle_timeout,
-        )
-        self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange
+        """``options``: :class:`BaseConsumer`'s."""
+        super().__init__(**options)
         self.exchange_type = exchange_type or outbox_settings.EXCHANGE_TYPE
-        self.prefetch = prefetch or outbox_settings.CONSUMER_PREFETCH
         self.queue_type = queue_type or outbox_settings.CONSUMER_QUEUE_TYPE
         self.arguments = queue_arguments(
             self.queue, queue_type=self.queue_type, max_retries=self.max_retries

@@ -104,6 +104,8 @@ class BaseConsumer(ABC, Generic[M]):
         handlers: Iterable[str | type[IdempotentHandler]] | None = None,
         url: str | Sequence[str] | None = None,
         queue: str | None = None,
+        exchange: str | None = None,
+        prefetch: int | None = None,
         max_retries: int | None = None,
         retry_delay: float = 1.0,
         reconnect_max: float = 30.0,
@@ -126,6 +128,10 @@ class BaseConsumer(ABC, Generic[M]):
             raise ImproperlyConfiguredConsumer(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
         self.queue = queue or default_queue_name(self.dispatcher.handler_classes)
         self.dead_letter_queue = dead_letter_queue_name(self.queue)
+        #: Where the relay publishes (RabbitMQ's exchange; the subjects' prefix elsewhere).
+        self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange
+        #: How many messages the broker hands over before the first is settled.
+        self.prefetch = prefetch or outbox_settings.CONSUMER_PREFETCH
         self.reconnect_max = reconnect_max
         self.idle_timeout = idle_timeout
         #: The node connected to (password masked), "" while not connected: log lines.

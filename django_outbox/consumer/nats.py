@@ -31,7 +31,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,6 @@ from .base import (
     dead_letter_queue_name,
 )
 from .dispatch import REASON_HEADER, Action, Decision
-from .handlers import IdempotentHandler
 
 if NATS.missing():
     raise ImportError(NATS.missing())
@@ -124,36 +123,19 @@ class Consumer(BaseConsumer["Msg"]):
     def __init__(
         self,
         *,
-        handlers: Iterable[str | type[IdempotentHandler]] | None = None,
-        url: str | Sequence[str] | None = None,
-        queue: str | None = None,
-        exchange: str | None = None,
-        prefetch: int | None = None,
-        max_retries: int | None = None,
         queue_type: str | None = None,
-        retry_delay: float = 1.0,
-        reconnect_max: float = 30.0,
-        idle_timeout: float = 1.0,
         stream: str | None = None,
         connect_timeout: float | None = None,
         ack_wait: float = ACK_WAIT,
+        **options: Any,
     ) -> None:
+        """``options``: :class:`BaseConsumer`'s."""
         if queue_type is not None:
             raise ImproperlyConfiguredConsumer(
                 f"--queue-type {queue_type} is RabbitMQ's: a NATS consumer is a durable "
                 "JetStream consumer, replicated as its stream is (OUTBOX_NATS_REPLICAS)."
             )
-        super().__init__(
-            handlers=handlers,
-            url=url,
-            queue=queue,
-            max_retries=max_retries,
-            retry_delay=retry_delay,
-            reconnect_max=reconnect_max,
-            idle_timeout=idle_timeout,
-        )
-        self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange
-        self.prefetch = prefetch or outbox_settings.CONSUMER_PREFETCH
+        super().__init__(**options)
         self.stream = stream or outbox_settings.NATS_STREAM
         self.durable = durable_name(self.queue)
         self.dead_letter_queue = dead_letter_queue_name(self.queue)
