@@ -16,7 +16,14 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.db import connections, router
 
-from .conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, PREFIX, OutboxSettings, outbox_settings
+from .conf import (
+    BROKER_URL_EMPTY,
+    BROKER_URL_EMPTY_HINT,
+    PREFIX,
+    OutboxSettings,
+    broker_urls,
+    outbox_settings,
+)
 from .exceptions import ImproperlyConfiguredBackend
 
 
@@ -289,6 +296,19 @@ def broker_url_missing() -> CheckMessage:
     if _PUBLISHING.get():
         return Error(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL)
     return Warning(BROKER_URL_EMPTY, hint=BROKER_URL_EMPTY_HINT, id=Codes.BROKER_URL_UNSET)
+
+
+def relay_broker_urls() -> list[str] | CheckMessage:
+    """The relay backend's broker URLs (``OUTBOX_BACKEND_OPTIONS["broker_url"]``, else
+    ``OUTBOX_BROKER_URL``), or the check message that says why there are none: what every
+    broker backend's ``check()`` starts from."""
+    options = outbox_settings.BACKEND_OPTIONS or {}
+    value = options.get("broker_url") or outbox_settings.BROKER_URL
+    try:
+        urls = broker_urls(value)
+    except TypeError as exc:
+        return Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)
+    return urls or broker_url_missing()
 
 
 @register()

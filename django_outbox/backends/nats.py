@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.checks import CheckMessage, Error
 
 from .._compat.nats import LoopThread, take_replies, write_frames
-from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
+from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..formats import NATS_BINDING, get_format
 from ..masking import mask_url, mask_urls_in, password_overruns
 from ..message import TYPE_HEADER, encode_text_headers, escape_header_value
@@ -266,16 +266,11 @@ class NatsBackend(BaseBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, Hints, broker_url_missing, problem
+        from ..checks import Codes, problem, relay_broker_urls
 
-        options = outbox_settings.BACKEND_OPTIONS or {}
-        value = options.get("broker_url") or outbox_settings.BROKER_URL
-        try:
-            urls = broker_urls(value)
-        except TypeError as exc:
-            return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
-        if not urls:
-            return [broker_url_missing()]
+        urls = relay_broker_urls()
+        if not isinstance(urls, list):
+            return [urls]
         errors: list[CheckMessage] = []
         for url in urls:
             if password_overruns(url):

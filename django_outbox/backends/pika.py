@@ -42,7 +42,7 @@ from .._compat.pika import (
     HandTurnedLoop,
     connection_failure,
 )
-from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
+from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..masking import mask_url, mask_urls_in, password_overruns
 from ..worker import BrokerNodes
 from . import bindings
@@ -142,16 +142,11 @@ class PikaBackend(AmqpBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, Hints, Messages, broker_url_missing, problem
+        from ..checks import Codes, Hints, Messages, problem, relay_broker_urls
 
-        options = outbox_settings.BACKEND_OPTIONS or {}
-        value = options.get("broker_url") or outbox_settings.BROKER_URL
-        try:
-            urls = broker_urls(value)
-        except TypeError as exc:
-            return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
-        if not urls:
-            return [broker_url_missing()]
+        urls = relay_broker_urls()
+        if not isinstance(urls, list):
+            return [urls]
         errors: list[CheckMessage] = []
         vhosts: dict[str, None] = {}  # in the order of the URLs
         for number, url in enumerate(urls, 1):
