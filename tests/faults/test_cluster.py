@@ -10,42 +10,32 @@ test_failover.py cover the same failover on every run.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from django_outbox.conf import broker_urls
 from django_outbox.consumer import Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent
 from points.models import PointsLedger
 from tests.utils.amqp import Broker, make_consumer, serving
+from tests.utils.cluster import Cluster
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
 from .harness import Processes, check_invariants, counts, emit, wait_for
 
-CLUSTER = broker_urls(os.environ.get("AMQP_CLUSTER", ""))
+CLUSTER_ENV = Cluster("AMQP_CLUSTER", "scripts/rabbitmq-cluster")
+CLUSTER = CLUSTER_ENV.urls
 QUORUM = {"x-queue-type": "quorum"}
 
 pytestmark = [
     pytest.mark.amqp,
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        len(CLUSTER) < 3,
-        reason="needs a RabbitMQ cluster of three nodes: run `bash scripts/rabbitmq-cluster "
-        "start` and export what it prints (AMQP_CLUSTER, AMQP_CLUSTER_STOP/START)",
-    ),
+    CLUSTER_ENV.skip_unless_up,
 ]
-
-
-def node(action: str, n: int) -> None:
-    command = os.environ[f"AMQP_CLUSTER_{action.upper()}"].format(n=n)
-    subprocess.run(command, shell=True, check=True, timeout=120)
 
 
 @pytest.fixture
@@ -82,7 +72,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(
             processes=cluster_procs,
             every=0.01,
         )
-        node("stop", 1)
+        CLUSTER_ENV.node("stop", 1)
         wait_for(
             lambda: counts()["sent"] == 3000,
             timeout=90,
@@ -91,7 +81,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(
         )
         assert relay.stop() == 0, relay.tail()
     finally:
-        node("start", 1)
+        CLUSTER_ENV.node("start", 1)
     log = relay.stderr()
     assert f"connected to {mask_url(CLUSTER[1])} (node 2 of 3)" in log, relay.tail()
     assert not OutboxEvent.objects.exclude(retry_count=0).exists()
@@ -110,12 +100,12 @@ def test_a_node_stopped_under_the_consumer_it_goes_on_through_the_next(cluster):
             for event in events[:10]:
                 cluster.publish(event)
             assert wait_until(lambda: PointsLedger.objects.count() == 10, timeout=30)
-            node("stop", 1)
+            CLUSTER_ENV.node("stop", 1)
             for event in events[10:]:
                 cluster.publish(event)
             assert wait_until(lambda: PointsLedger.objects.count() == 20, timeout=60)
             assert consumer.url == CLUSTER[1]
     finally:
-        node("start", 1)
+        CLUSTER_ENV.node("start", 1)
     assert results[0].counts[Outcome.PROCESSED] == 20
     assert PointsLedger.objects.count() == 20

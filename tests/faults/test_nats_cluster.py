@@ -10,41 +10,31 @@ skipped.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from django_outbox.conf import broker_urls
 from django_outbox.consumer import Outcome
 from django_outbox.masking import mask_url
 from django_outbox.models import OutboxEvent, Status
 from points.models import PointsLedger
 from tests.utils.amqp import serving
+from tests.utils.cluster import Cluster
 from tests.utils.nats import NatsBroker, make_nats_consumer, publish_events, relay_settings
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
 from .harness import Processes, counts, emit, wait_for
 
-CLUSTER = broker_urls(os.environ.get("NATS_CLUSTER", ""))
+CLUSTER_ENV = Cluster("NATS_CLUSTER", "scripts/nats-cluster")
+CLUSTER = CLUSTER_ENV.urls
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        len(CLUSTER) < 3,
-        reason="needs a NATS cluster of three nodes: run `bash scripts/nats-cluster start` "
-        "and export what it prints (NATS_CLUSTER, NATS_CLUSTER_STOP/START)",
-    ),
+    CLUSTER_ENV.skip_unless_up,
 ]
-
-
-def node(action: str, n: int) -> None:
-    command = os.environ[f"NATS_CLUSTER_{action.upper()}"].format(n=n)
-    subprocess.run(command, shell=True, check=True, timeout=120)
 
 
 @pytest.fixture
@@ -84,7 +74,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cl
             processes=cluster_procs,
             every=0.01,
         )
-        node("stop", 1)
+        CLUSTER_ENV.node("stop", 1)
         wait_for(
             lambda: counts()["sent"] == total,
             timeout=120,
@@ -93,7 +83,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cl
         )
         assert relay.stop() == 0, relay.tail()
     finally:
-        node("start", 1)
+        CLUSTER_ENV.node("start", 1)
     assert f"connected to {mask_url(CLUSTER[1])} (node 2 of 3)" in relay.stderr(), relay.tail()
     stored = cluster.collect()
     sent = set(OutboxEvent.objects.filter(status=Status.SENT).values_list("event_id", flat=True))
@@ -112,13 +102,13 @@ def test_a_node_stopped_under_the_consumer_it_goes_on_through_the_next(cluster):
             events = [unsaved_event(pk=n) for n in range(1, 21)]
             publish_events(cluster, *events[:10], replicas=3)
             assert wait_until(lambda: PointsLedger.objects.count() == 10, timeout=30)
-            node("stop", 1)
+            CLUSTER_ENV.node("stop", 1)
             publish_events(cluster, *events[10:], replicas=3)
             assert wait_until(lambda: PointsLedger.objects.count() == 20, timeout=60)
             # Node 2, or node 3 when node 2 did not answer in time while the stream and the
             # consumer elected new leaders.
             assert consumer.url in CLUSTER[1:]
     finally:
-        node("start", 1)
+        CLUSTER_ENV.node("start", 1)
     assert results[0].counts[Outcome.PROCESSED] == 20
     assert PointsLedger.objects.count() == 20
