@@ -27,7 +27,6 @@ from ..message import Delivery
 from .base import (
     LOST_CONNECTION_RETRIES,
     BaseConsumer,
-    CannotConnect,
     ImproperlyConfiguredConsumer,
     dead_letter_queue_name,
     default_queue_name,
@@ -126,34 +125,20 @@ class Consumer(BaseConsumer[AmqpMessage]):
     # -- connection --------------------------------------------------------------------------
     def connect(self) -> None:
         """Connect to the first broker node that answers, from the current one on, declare
-        the queue, its dead-letter queue and the bindings. Raises pika's
-        ``AMQPConnectionError`` when every node has failed in this round."""
+        the queue, its dead-letter queue and the bindings. Raises :class:`CannotConnect` when
+        every node has failed in this round."""
 
-        failures: list[tuple[str, ConnectionFailure]] = []  # node, why: in this round
+        def describe(exc: BaseException, url: str) -> tuple[ConnectionFailure, bool]:
+            failure = connection_failure(exc, url)
+            return failure, failure.permanent
 
-        def attempt() -> Any:
-            url = self.nodes.current
-            try:
-                return pika.BlockingConnection(pika.URLParameters(url))
-            except (pika.exceptions.AMQPConnectionError, OSError) as exc:
-                # OSError: BlockingConnection lets a failed name lookup through bare.
-                failures.append((self.nodes.name(), connection_failure(exc, url)))
-                where = "RabbitMQ at " if len(failures) == 1 else "any RabbitMQ node: "
-                raise CannotConnect(
-                    f"cannot connect to {where}{'; '.join(f'{n}: {f}' for n, f in failures)}",
-                    # Every node failed for a reason that does not clear by itself.
-                    permanent=all(f.permanent for _n, f in failures),
-                ) from exc
-
-        def on_next(node: str, exc: Exception) -> None:
-            logger.warning(
-                "cannot connect to RabbitMQ at %s (%s); trying the next node, %s",
-                node,
-                failures[-1][1],
-                self.nodes.name(),
-            )
-
-        self._connection = self.nodes.connect(attempt, errors=CannotConnect, on_next=on_next)
+        self._connection = self.connect_first_node(
+            "RabbitMQ",
+            lambda url: pika.BlockingConnection(pika.URLParameters(url)),
+            # OSError: BlockingConnection lets a failed name lookup through bare.
+            (pika.exceptions.AMQPConnectionError, OSError),
+            describe,
+        )
         self._node = self.nodes.name()
         channel = self._connection.channel()
         channel.confirm_delivery()  # classic-queue requeues are published: confirm them

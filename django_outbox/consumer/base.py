@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -46,6 +46,7 @@ LOST_CONNECTION_RETRIES = 3
 
 #: The transport's own message object (pika's method, properties and body for RabbitMQ).
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 class ImproperlyConfiguredConsumer(OutboxError):
@@ -145,6 +146,44 @@ class BaseConsumer(ABC, Generic[M]):
     def url(self) -> str:
         """The URL of the broker node connected to, or to be tried next."""
         return self.nodes.current
+
+    def connect_first_node(
+        self,
+        broker: str,
+        open_node: Callable[[str], T],
+        errors: tuple[type[BaseException], ...],
+        describe: Callable[[BaseException, str], tuple[object, bool]],
+    ) -> T:
+        """``open_node(url)`` on the first node that answers, from the current one on
+        (:meth:`BrokerNodes.connect`), and what it returned. ``describe(error, url)`` says
+        why a node failed with one of ``errors``, and whether that is permanent; once every
+        node has failed in this round, :class:`CannotConnect` names each node's cause and is
+        permanent when every cause is (``broker``: the broker's name in those words)."""
+        failures: list[tuple[str, object, bool]] = []  # node, why, permanent: this round
+
+        def attempt() -> T:
+            url = self.nodes.current
+            try:
+                return open_node(url)
+            except errors as exc:
+                why, permanent = describe(exc, url)
+                failures.append((self.nodes.name(), why, permanent))
+                where = f"{broker} at " if len(failures) == 1 else f"any {broker} node: "
+                raise CannotConnect(
+                    f"cannot connect to {where}{'; '.join(f'{n}: {w}' for n, w, _ in failures)}",
+                    permanent=all(p for _n, _w, p in failures),
+                ) from exc
+
+        def on_next(node: str, exc: Exception) -> None:
+            logger.warning(
+                "cannot connect to %s at %s (%s); trying the next node, %s",
+                broker,
+                node,
+                failures[-1][1],
+                self.nodes.name(),
+            )
+
+        return self.nodes.connect(attempt, errors=CannotConnect, on_next=on_next)
 
     # -- the contract ------------------------------------------------------------------------
     @abstractmethod

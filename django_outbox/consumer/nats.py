@@ -44,7 +44,6 @@ from ..message import TYPE_HEADER, Delivery, decode_text_headers, escape_header_
 from ..transports import NATS
 from .base import (
     BaseConsumer,
-    CannotConnect,
     ImproperlyConfiguredConsumer,
     dead_letter_queue_name,
 )
@@ -163,27 +162,12 @@ class Consumer(BaseConsumer["Msg"]):
             self._loop = LoopThread("django-outbox-nats-consumer")
         loop = self._loop
 
-        failures: list[tuple[str, str]] = []  # node, why: in this round
-
-        def attempt() -> None:
-            try:
-                loop.run(self._connect(self.nodes.current), self.connect_timeout * 3)
-            except self.connection_errors as exc:
-                failures.append((self.nodes.name(), _describe(exc)))
-                where = "NATS at " if len(failures) == 1 else "any NATS node: "
-                raise CannotConnect(
-                    f"cannot connect to {where}{'; '.join(f'{n}: {f}' for n, f in failures)}"
-                ) from exc
-
-        def on_next(node: str, exc: Exception) -> None:
-            logger.warning(
-                "cannot connect to NATS at %s (%s); trying the next node, %s",
-                node,
-                failures[-1][1],
-                self.nodes.name(),
-            )
-
-        self.nodes.connect(attempt, errors=CannotConnect, on_next=on_next)
+        self.connect_first_node(
+            "NATS",
+            lambda url: loop.run(self._connect(url), self.connect_timeout * 3),
+            self.connection_errors,
+            lambda exc, _url: (_describe(exc), False),
+        )
         self._node = self.nodes.name()
         logger.info(
             "consuming %s on stream %s (durable %s, subjects %s, dead letters to %s) at %s",
