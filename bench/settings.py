@@ -32,3 +32,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "loggers": {"django_outbox": {"handlers": ["console"], "level": "WARNING"}},
 }
+# soak_bench --mode delete: the relay child deletes what the broker confirmed.
+if os.environ.get("BENCH_RETENTION_DAYS"):
+    OUTBOX_RETENTION_DAYS = float(os.environ["BENCH_RETENTION_DAYS"])
