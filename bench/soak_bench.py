@@ -16,7 +16,8 @@ own exchange and queue (deleted afterwards):
    documented daily run against a 7-day retention);
 4. ``--mode``: ``default`` keeps SENT rows until the job deletes them; ``delete`` runs the
    relay with ``OUTBOX_RETENTION_DAYS = 0`` (its settle deletes what the broker confirmed;
-   the job then only has the inbox to purge).
+   the job then only has the inbox to purge); ``--autovacuum tuned`` (PostgreSQL) gives the
+   table the autovacuum settings docs/operations.md recommends.
 
 Per tenth of the events it prints: emit p50/p99 (the transaction, commit included),
 commit -> delivered p50/p99, the drain rate (events the consumer got per second in that
@@ -31,7 +32,8 @@ survives to read (the settle deletes the row). It does not include the settle's 
 milliseconds, in either mode.
 
     python -m bench.soak_bench [--smoke] [--events 2000000] [--rate 1000] [--writers 8]
-        [--mode default|delete] [--database postgres|mariadb] [--database-url URL]
+        [--mode default|delete] [--autovacuum default|tuned]
+        [--database postgres|mariadb] [--database-url URL]
         [--retention SECONDS] [--retention-every SECONDS]
 
 The server comes from ``--database-url``, else ``PG_URL``/``MARIADB_URL``, else
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import array
 import bisect
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,13 +54,16 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: python bench/soak_bench.py
     sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
-from bench.common import DEFAULT_URL, bench_exchange, emit_sample
+from bench.common import DEFAULT_URL, emit_sample
 from bench.relay_bench import (
     ROOT,
     SERVERS,
@@ -69,7 +75,15 @@ from bench.relay_bench import (
 )
 from django_outbox.masking import mask_url
 
-MODES = ("default",)
+MODES = ("default", "delete")
+#: --autovacuum tuned: the outbox table's own settings (docs/operations.md, "Sizing the
+#: outbox"): vacuum after a fixed number of dead rows, not a fifth of the table, unthrottled.
+TUNED_AUTOVACUUM = (
+    "autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 20000, "
+    "autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 20000, "
+    "autovacuum_analyze_scale_factor = 0, autovacuum_analyze_threshold = 20000, "
+    "autovacuum_vacuum_cost_delay = 0"
+)
 SMOKE = {"events": 2000, "rate": 400.0, "writers": 4, "retention": 2.0, "every": 1.0}
 TENTHS = 10
 #: The documented schedule: purge_outbox daily, SENT rows kept 7 days.
@@ -236,10 +250,11 @@ def table_figures() -> tuple[int, int, int | None]:
     table = OutboxEvent._meta.db_table
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
+            # The table and, when partitioned, every partition of it.
             cursor.execute(
-                "SELECT pg_table_size(c.oid), pg_indexes_size(c.oid), s.n_dead_tup "
-                "FROM pg_class c JOIN pg_stat_user_tables s ON s.relid = c.oid "
-                "WHERE c.relname = %s",
+                "SELECT SUM(pg_table_size(t.relid)), SUM(pg_indexes_size(t.relid)), "
+                "COALESCE(SUM(s.n_dead_tup), 0) FROM pg_partition_tree(%s) t "
+                "LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid",
                 [table],
             )
             size, indexes, dead = cursor.fetchone()
@@ -255,6 +270,22 @@ def table_figures() -> tuple[int, int, int | None]:
         )
         size, indexes = cursor.fetchone()
         return int(size), int(indexes), None
+
+
+def prepare_table(mode: str, autovacuum: str) -> None:
+    """The table as ``--mode`` and ``--autovacuum`` want it, before the relay starts."""
+    from django.db import connection
+
+    from django_outbox.models import OutboxEvent
+
+    if connection.vendor != "postgresql":
+        if autovacuum != "default":
+            raise SystemExit("--autovacuum tuned is PostgreSQL only")
+        return
+    if autovacuum == "tuned":
+        table = connection.ops.quote_name(OutboxEvent._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(f"ALTER TABLE {table} SET ({TUNED_AUTOVACUUM})")
 
 
 def backlog() -> int:
@@ -490,7 +521,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--events", type=int, default=2_000_000, help="events in all")
     p.add_argument("--rate", type=float, default=1000.0, help="emits/s in all")
     p.add_argument("--writers", type=int, default=8, help="threads emitting")
-    p.add_argument("--mode", choices=MODES, default="default")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="default",
+        help="default: SENT rows kept, purged in batches; delete: OUTBOX_RETENTION_DAYS = 0",
+    )
+    p.add_argument(
+        "--autovacuum",
+        choices=["default", "tuned"],
+        default="default",
+        help="PostgreSQL: the server's autovacuum settings, or the table's own (tuned)",
+    )
     p.add_argument("--database", choices=sorted(SERVERS), default="postgres")
     p.add_argument("--database-url", default=None, help="the server (its database is unused)")
     p.add_argument("--url", default=DEFAULT_URL, help="AMQP URL (default: $AMQP_URL)")
@@ -521,18 +563,19 @@ def main(argv: list[str] | None = None) -> None:
     server = server_url(args.database, args.database_url)
     relay_args = [] if args.database == "postgres" else ["--interval", "100ms"]
     print(
-        f"soak bench: {args.database} {mask_url(server)}, mode {args.mode}, "
+        f"soak bench: {args.database} {mask_url(server)}, mode {args.mode}, autovacuum "
+        f"{args.autovacuum}, "
         f"{args.events:,} events at {args.rate:g}/s from {args.writers} writers "
         f"(~{duration / 60:.1f} min), SENT kept {retention:g} s, purge_outbox every {every:g} s",
         flush=True,
     )
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    exchange = bench_exchange(args.url, prefix="bench.soak")
-    with bench_database(server) as database_url, exchange as ex:
+    with bench_database(server) as database_url, soak_exchange(args.url) as ex:
         env = setup_django(database_url, ex, args.url)
         older_than_days = None if args.mode == "delete" else retention / 86400
         if args.mode == "delete":
             env["BENCH_RETENTION_DAYS"] = "0"
+        prepare_table(args.mode, args.autovacuum)
         relay = RelayChild(env, relay_args, None)
         code = 1
         try:
@@ -549,12 +592,40 @@ def main(argv: list[str] | None = None) -> None:
             )
         finally:
             code = relay.stop()
+        print_tenths(tenths)
+        # The first tenth by whose end SENT rows older than the window had started to go.
+        window_tenth = min(TENTHS, int(retention / (duration / TENTHS)) + 2)
+        print_targets(tenths, window_tenth)
     if code != 0:
         raise SystemExit(f"publish_outbox exited with {code}")
-    print_tenths(tenths)
-    # The first tenth by whose end SENT rows older than the window had started to go.
-    window_tenth = min(TENTHS, int(retention / (duration / TENTHS)) + 2)
-    print_targets(tenths, window_tenth)
+
+
+@contextlib.contextmanager
+def soak_exchange(url: str) -> Iterator[str]:
+    """As :func:`bench.common.bench_exchange`, with a connection of its own to declare and
+    another to delete: one held idle through a soak is closed by the broker (heartbeats)."""
+    import pika
+
+    name = f"bench.soak.{uuid.uuid4().hex[:10]}"
+
+    def channel_do(*calls: tuple[str, tuple[Any, ...], dict[str, Any]]) -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(url))
+        try:
+            channel = connection.channel()
+            for method, args, kwargs in calls:
+                getattr(channel, method)(*args, **kwargs)
+        finally:
+            connection.close()
+
+    channel_do(
+        ("exchange_declare", (name,), {"exchange_type": "topic", "durable": True}),
+        ("queue_declare", (name,), {"durable": True}),
+        ("queue_bind", (name, name), {"routing_key": "#"}),
+    )
+    try:
+        yield name
+    finally:
+        channel_do(("queue_delete", (name,), {}), ("exchange_delete", (name,), {}))
 
 
 def _warm_up(relay: RelayChild, url: str, queue: str) -> None:

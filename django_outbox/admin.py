@@ -46,6 +46,7 @@ from .dashboard import (
     database_figures,
     health_warnings,
     requested_database,
+    retention_notes,
     trend_chart,
 )
 from .db import DbNow
@@ -546,6 +547,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         extra_context = {
             **(extra_context or {}),
             "outbox_warnings": health_warnings(stats.gauges(requested_database(request))),
+            "outbox_notes": retention_notes(),
             "dashboard_url": reverse(f"{self.admin_site.name}:django_outbox_outboxevent_dashboard"),
         }
         return super().changelist_view(request, extra_context)
@@ -590,6 +592,7 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "oldest_pending_age": format_age(snapshot.oldest_pending_age),
             "alert_pending_age": format_age(outbox_settings.ALERT_PENDING_AGE),
             "outbox_warnings": health_warnings(snapshot.gauges),
+            "outbox_notes": retention_notes(),
             "oldest_alert": bool(snapshot.pending)
             and snapshot.oldest_pending_age > outbox_settings.ALERT_PENDING_AGE,
             "triage_retries": retries,

@@ -58,6 +58,8 @@ class Codes:
     BROKER_URL_ENCODING = "django_outbox.E026"
     # NATS JetStream, reported by backends.nats.NatsBackend.check():
     NATS_DUPLICATE_WINDOW = "django_outbox.E030"
+    # OUTBOX_RETENTION_DAYS = 0 (the relay deletes confirmed rows):
+    ORDERED_DELETE_ON_CONFIRM = "django_outbox.E040"
     NATS_STREAM = "django_outbox.E031"
     # Several databases:
     ROUTED_UNMIGRATED = "django_outbox.W001"
@@ -132,6 +134,12 @@ class Messages:
         "second copy only while it remembers the first."
     )
     NATS_STREAM = "{name} is {value!r}: {problem}."
+    ORDERED_DELETE_ON_CONFIRM = (
+        "OUTBOX_RETENTION_DAYS is 0 (the relay deletes each row once the broker confirmed "
+        "it) and OUTBOX_ORDERED is on: ordered mode sends each aggregate's head with the id "
+        "of its last SENT event (previous_sequence), which no longer exists, so consumers "
+        "checking the order could not tell a missing event from none."
+    )
 
 
 class Hints:
@@ -215,6 +223,10 @@ class Hints:
         "Set OUTBOX_NATS_DUPLICATE_WINDOW to at least twice the lease, e.g. "
         "OUTBOX_NATS_DUPLICATE_WINDOW = {window:g}."
     )
+    ORDERED_DELETE_ON_CONFIRM = (
+        "Keep SENT rows with ordered mode: set OUTBOX_RETENTION_DAYS to 3 or more (default "
+        "7), or OUTBOX_ORDERED = False."
+    )
     NATS_STREAM = (
         "Set OUTBOX_NATS_STREAM to a name without spaces, '.', '*', '>' or slashes (e.g. "
         "'OUTBOX'), OUTBOX_NATS_SUBJECTS to a list of subjects (e.g. ['outbox.>']) and "
@@ -235,7 +247,6 @@ POSITIVE_SETTINGS: tuple[tuple[str, bool], ...] = (
     ("CONFIRM_TIMEOUT", False),
     ("COMPENSATE_STALE_AFTER", False),
     ("COMPENSATE_RETRY_DELAY", False),
-    ("RETENTION_DAYS", False),
 )
 
 
@@ -243,7 +254,8 @@ POSITIVE_SETTINGS: tuple[tuple[str, bool], ...] = (
 UNSET_ALLOWED: frozenset[str] = frozenset({"BATCH_SIZE"})
 
 #: Settings that must be a number >= 0 (0 turns the feature off), reported like the above.
-NON_NEGATIVE_SETTINGS: tuple[str, ...] = ("PURGE_PAUSE_RATIO",)
+#: OUTBOX_RETENTION_DAYS = 0: the relay deletes confirmed rows (no SENT rows are kept).
+NON_NEGATIVE_SETTINGS: tuple[str, ...] = ("PURGE_PAUSE_RATIO", "RETENTION_DAYS")
 
 
 def _positive(value: Any) -> bool:
@@ -371,6 +383,14 @@ def check_retention(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     if not _positive(days) or days >= 3:
         return []
     return [problem("RETENTION", Warning, days=days)]
+
+
+@register()
+def check_ordered_delete_on_confirm(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    ordered = outbox_settings.ORDERED
+    if not outbox_settings.deletes_on_confirm or not ordered:
+        return []
+    return [problem("ORDERED_DELETE_ON_CONFIRM")]
 
 
 @register()

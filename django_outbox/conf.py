@@ -281,7 +281,9 @@ class OutboxSettings:
         "Dead-letter alert channels: a list of {'BACKEND': dotted path, 'OPTIONS': {...}}.",
     )
     RETENTION_DAYS: Setting[float] = Setting(
-        7.0, "purge_outbox deletes SENT rows older than this many days (at least 3)."
+        7.0,
+        "purge_outbox deletes SENT rows older than this many days (at least 3); 0: the "
+        "relay deletes each row once the broker confirmed it, and keeps no SENT rows.",
     )
     PURGE_BATCH_SIZE: Setting[int] = Setting(1000, "Rows deleted per purge statement.")
     PURGE_PAUSE_RATIO: Setting[float] = Setting(
@@ -354,6 +356,14 @@ class OutboxSettings:
         from django.conf import settings as django_settings
 
         return hasattr(django_settings, PREFIX + name)
+
+    @property
+    def deletes_on_confirm(self) -> bool:
+        """``OUTBOX_RETENTION_DAYS = 0``: the relay's settle deletes the rows the broker
+        confirmed instead of keeping them as SENT (docs/operations.md, "Keeping no SENT
+        rows")."""
+        days = self.RETENTION_DAYS
+        return not isinstance(days, bool) and days == 0
 
 
 outbox_settings = OutboxSettings()

@@ -51,6 +51,23 @@ def health_warnings(gauges: stats.Gauges) -> list[str]:
     return warnings
 
 
+def retention_notes() -> list[str]:
+    """The banner's notes that are no alarm: SENT rows are not kept
+    (``OUTBOX_RETENTION_DAYS = 0``), so the SENT figures here read zero."""
+    if not outbox_settings.deletes_on_confirm:
+        return []
+    return [
+        str(
+            _(
+                "OUTBOX_RETENTION_DAYS is 0: the relay deletes each event once the broker "
+                "confirmed it, so no SENT rows are kept and the SENT figures here count only "
+                "rows from before the setting. Count sent events with the metric "
+                "django_outbox_events_published_total; replay from the broker."
+            )
+        )
+    ]
+
+
 #: The query parameter that picks the outbox database (the dashboard, the changelist and a
 #: change page); without it, the router's choice, as with one database.
 DATABASE_PARAM = "database"

@@ -23,7 +23,7 @@ from functools import partial
 
 from django.db import router
 
-from .conf import outbox_settings
+from .conf import OutboxSettings, outbox_settings
 from .db import DbNow
 from .exceptions import OutboxError
 from .models import InboxMessage, OutboxEvent, Status, outbox_db
@@ -70,10 +70,11 @@ class PurgeResult:
                 f"inbox: {verb} {self.inbox} row(s) older than {self.inbox_days:g} day(s) "
                 f"in {self.inbox_batches} batch(es)"
             )
-        return (
+        text = (
             f"purge_outbox: {verb} {self.total} row(s) older than {self.older_than_days:g} "
             f"day(s) ({self.sent} sent, {dead}) in {self.batches} batch(es); {inbox}"
         )
+        return text
 
 
 def purge(
@@ -89,6 +90,10 @@ def purge(
 ) -> PurgeResult:
     """Delete SENT rows created more than ``older_than_days`` ago, in batches.
 
+    With OUTBOX_RETENTION_DAYS = 0 (the relay deletes confirmed rows itself) and no
+    ``older_than_days``, every SENT row goes, whatever its age: the ones left from before
+    the setting, and any replayed since (``requeue(replay=True)`` of a row kept from then).
+
     ``None`` arguments take OUTBOX_RETENTION_DAYS, OUTBOX_PURGE_BATCH_SIZE,
     OUTBOX_PURGE_DEAD and OUTBOX_PURGE_PAUSE_RATIO (the pause after each batch, as a
     multiple of the batch's time). DEAD rows are deleted only with ``include_dead``: they were never
@@ -99,7 +104,8 @@ def purge(
     days = outbox_settings.RETENTION_DAYS if older_than_days is None else older_than_days
     size = outbox_settings.PURGE_BATCH_SIZE if batch_size is None else batch_size
     dead_too = outbox_settings.PURGE_DEAD if include_dead is None else include_dead
-    if not days > 0:
+    keeps_none = older_than_days is None and outbox_settings.deletes_on_confirm
+    if not (days > 0 or keeps_none):
         raise ValueError(f"older_than_days must be positive, got {days!r}.")
     if not (isinstance(size, int) and size > 0):
         raise ValueError(f"batch_size must be a positive integer, got {size!r}.")
@@ -114,7 +120,7 @@ def purge(
             "OUTBOX_INBOX_RETENTION_DAYS must be a positive number of days or None, got "
             f"{inbox_setting!r}."
         )
-    if days < MIN_RETENTION_DAYS and not force:
+    if days < MIN_RETENTION_DAYS and not force and not keeps_none:
         raise RetentionTooShort(
             f"A retention of {days:g} day(s) is below {MIN_RETENTION_DAYS}: sent rows are "
             "what an incident is investigated from. Use 3 days or more, or pass --force "
@@ -124,9 +130,11 @@ def purge(
     result = PurgeResult(older_than_days=days, dry_run=dry_run, include_dead=bool(dead_too))
     statuses = [Status.SENT, Status.DEAD] if dead_too else [Status.SENT]
     for status in statuses:
-        old = OutboxEvent.objects.using(db).filter(
-            status=status, created_at__lt=DbNow() - timedelta(days=days)
-        )
+        old = OutboxEvent.objects.using(db).filter(status=status)
+        if not (keeps_none and status == Status.SENT):
+            # DEAD rows keep a retention even then: OUTBOX_RETENTION_DAYS' default.
+            age = days or OutboxSettings.RETENTION_DAYS.default
+            old = old.filter(created_at__lt=DbNow() - timedelta(days=age))
         if dry_run:
             count = old.count()
         else:

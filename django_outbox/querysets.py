@@ -9,16 +9,16 @@ Writing: every transition of an outbox row is a method here, and no other module
 
     emit()            claim()                    mark_sent()
     ─────> PENDING ──────────> PENDING, leased ─────────────> SENT ──delete_in_batches()──>
-            ^   ^                  │       │
+            ^   ^                  │       ├─ delete_confirmed() ─> gone (OUTBOX_RETENTION_DAYS = 0)
             │   └─── release() ────┘       └─ mark_failed() ─> PENDING, due after a backoff,
             │                                                  or DEAD past the last one
             ├──── requeue() ──── DEAD <── mark_dead() ── PENDING
             └──── requeue(replay=True) ──── SENT (published again, same event_id)
 
 Each one stamps ``updated_at`` from the database clock. The transitions of a claimed row
-(``mark_sent``, ``mark_failed``, ``release``) are *fenced* on the claim's lease token
-through :meth:`OutboxEventQuerySet.held_by`: a relay that outlived its lease changes
-nothing that another relay has claimed or settled since.
+(``mark_sent``, ``delete_confirmed``, ``mark_failed``, ``release``) are *fenced* on the
+claim's lease token through :meth:`OutboxEventQuerySet.held_by`: a relay that outlived its
+lease changes nothing that another relay has claimed or settled since.
 
 ``emit()`` makes a row due at once, or *scheduled*: due at ``deliver_at`` or after ``delay``
 (``due_at``, see :func:`due_time`), and not claimable before.
@@ -37,7 +37,7 @@ from django.db import connections, models, transaction
 from django.db.models.functions import Coalesce, Greatest
 
 from . import ordering
-from ._compat.django import build_rows
+from ._compat.django import build_rows, delete_rows
 from .db import DbNow, read_committed_atomic
 from .exceptions import error_text
 from .states import Status
@@ -582,6 +582,15 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
                 updated_at=DbNow(),
             )
         )
+
+    def delete_confirmed(self, token: str, ids: Sequence[int]) -> int:
+        """The broker confirmed these rows of the claim ``token``: deleted, not kept as SENT
+        (``OUTBOX_RETENTION_DAYS = 0``).
+
+        One ``DELETE`` with :meth:`mark_sent`'s fence: a row another relay took over after
+        this claim's lease ran out is left to it. Returns how many went.
+        """
+        return delete_rows(self.held_by(token).with_ids(ids))
 
     def mark_failed(
         self,

@@ -42,6 +42,14 @@ SAMPLE_SIZE = 10
 #: The statuses a selection may name, by the names the command and the docs use.
 STATUSES = {"dead": Status.DEAD, "pending": Status.PENDING, "sent": Status.SENT}
 
+#: What a replay of SENT rows finds with OUTBOX_RETENTION_DAYS = 0 (``outbox_requeue
+#: --status sent`` says it before it starts).
+NO_SENT_ROWS = (
+    "OUTBOX_RETENTION_DAYS is 0: the relay deletes each event once the broker confirmed it, "
+    "so there are no SENT rows to replay but those kept from before the setting; replay "
+    "from the broker (or your own archive) instead."
+)
+
 #: ``--since``/``--until``: a moment, or how long ago (by the database clock).
 Moment = datetime | timedelta
 

@@ -40,6 +40,7 @@ from django_outbox._compat import pika as compat_pika
 from django_outbox._compat.django import (
     build_rows,
     clear_errors,
+    delete_rows,
     forget_connection,
     had_errors,
     has_commit_hook,
@@ -682,3 +683,29 @@ def test_has_commit_hook_sees_the_hooks_of_open_savepoints_only() -> None:
         "connection.run_on_commit is not the list of (savepoint ids, function, robust)",
         "BaseDatabaseWrapper.on_commit()/savepoint_rollback() (django/db/backends/base/base.py)",
     )
+
+
+@pytest.mark.django_db
+def test_delete_rows_is_one_delete_of_the_filter_whatever_receivers_listen() -> None:
+    from django.db.models.signals import pre_delete
+    from django.test.utils import CaptureQueriesContext
+
+    kept, *gone = events = _events("delete", 3)
+    insert_rows(OutboxEvent, DEFAULT_DB_ALIAS, events)
+
+    def receiver(**kwargs: Any) -> None:  # any model's: delete() would select first
+        pass
+
+    pre_delete.connect(receiver)
+    try:
+        with CaptureQueriesContext(connection) as ctx:
+            count = delete_rows(OutboxEvent.objects.filter(pk__in=[e.pk for e in gone]))
+    finally:
+        pre_delete.disconnect(receiver)
+    sql = [q["sql"].lstrip().upper() for q in ctx.captured_queries]
+    django_requires(
+        count == 2 and len(sql) == 1 and sql[0].startswith("DELETE"),
+        "QuerySet._raw_delete() is no longer one DELETE returning its row count",
+        "QuerySet._raw_delete() (django/db/models/query.py), SQLDeleteCompiler",
+    )
+    assert list(OutboxEvent.objects.values_list("pk", flat=True)) == [kept.pk]

@@ -22,6 +22,10 @@
   more time in Python than the database spent on the INSERT.
 * :func:`has_commit_hook`: whether a function is among a connection's ``on_commit`` hooks,
   from its undocumented ``run_on_commit`` list.
+* :func:`delete_rows`: a queryset's rows deleted by one ``DELETE ... WHERE`` of its filter
+  (``QuerySet._raw_delete()``), whatever signal receivers the project connected: with one
+  for ``pre_delete``/``post_delete`` of any model, ``delete()`` first selects the rows and
+  then deletes them by primary key, two statements and no longer the one fence.
 """
 
 from __future__ import annotations
@@ -239,3 +243,9 @@ def innermost_atomic(conn: Any) -> Any:
     ``BaseDatabaseWrapper``), or None outside any."""
     blocks = conn.atomic_blocks
     return blocks[-1] if blocks else None
+
+
+def delete_rows(queryset: models.QuerySet[Any]) -> int:
+    """Delete the rows of ``queryset`` with one ``DELETE`` of its filter, on its database;
+    no signal, no cascade (nothing references the row). Returns how many went."""
+    return int(queryset._raw_delete(queryset.db))

@@ -7,7 +7,8 @@ compensate_outbox.
    transaction commits before anything is sent.
 2. **Send** the batch through the backend, outside any transaction: it is in flight.
 3. **Collect** the broker's answer: one result per row (confirmed, or why not).
-4. **Settle** in one short transaction: confirmed rows become SENT; failed ones get
+4. **Settle** in one short transaction: confirmed rows become SENT (or are deleted, with
+   ``OUTBOX_RETENTION_DAYS = 0``); failed ones get
    ``retry_count + 1``, ``last_error`` and their next due time from the retry policy, or
    DEAD past it; rows the connection was lost under, and the rest of an ordered run behind
    a failed event (held back), are released. Every update is fenced on the lease token, so
@@ -453,7 +454,12 @@ class Relay:
         events = self.queryset()
         with transaction.atomic(using=self.using):
             if sent:
-                result.sent = events.mark_sent(token, [r.pk for r in sent])
+                settle_sent = (
+                    events.delete_confirmed
+                    if outbox_settings.deletes_on_confirm
+                    else events.mark_sent
+                )
+                result.sent = settle_sent(token, [r.pk for r in sent])
                 if result.sent < len(sent):
                     logger.warning(
                         "[%s] %d of %d confirmed events had been taken over by another relay "

@@ -66,6 +66,54 @@ def test_kill_9_at_random_moments_then_restart_loses_nothing(broker, procs, reco
     )
 
 
+def test_kill_9_around_settle_with_delete_on_confirm_loses_nothing(broker, procs, record):
+    """OUTBOX_RETENTION_DAYS = 0: the settle deletes the rows the broker confirmed. Relays
+    killed with SIGKILL at a random point of their drain (between confirm and settle among
+    them), then one that is not: every committed event reached the broker, no row is left."""
+    broker.bind_all()
+    seed = int(os.environ.get("FAULTS_SEED") or random.randrange(2**32))
+    rng = random.Random(seed)
+    emitted: list[str] = []
+    mid_batch = 0
+    for round_ in range(KILLS):
+        backlog = OutboxEvent.objects.count()
+        if backlog < 400:
+            emitted += emit(400 - backlog + rng.randrange(200))
+        target = OutboxEvent.objects.count() - rng.randrange(1, 150)
+        relay = procs.relay(
+            "--batch-size",
+            str(rng.choice([10, 50, 100])),
+            name=f"kill-{round_}",
+            RETENTION_DAYS=0,
+        )
+        wait_for(
+            lambda: OutboxEvent.objects.count() <= target,  # noqa: B023 (within this round)
+            timeout=60,
+            what=f"relay {round_} to make progress (seed {seed})",
+            processes=procs,
+            every=0.01,
+        )
+        relay.kill9()
+        mid_batch += counts()["leased"] > 0
+    assert mid_batch, f"no kill landed mid-batch in {KILLS} tries (seed {seed})"
+    survivor = procs.relay(name="survivor", RETENTION_DAYS=0)
+    wait_for(
+        lambda: not OutboxEvent.objects.exists(),
+        timeout=60,
+        what="the survivor to drain",
+        processes=procs,
+    )
+    assert survivor.stop() == 0, procs.tails()
+    check_invariants(
+        f"delete on confirm, kill -9 x{KILLS} mid-drain, restart ({mid_batch} mid-batch, "
+        f"seed {seed})",
+        broker,
+        record,
+        crashed=True,
+        emitted=emitted,
+    )
+
+
 def test_relay_dead_for_good_compensator_alone_delivers_every_stale_row(broker, procs, record):
     broker.bind_all()
     emit(1500)

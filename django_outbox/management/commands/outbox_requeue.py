@@ -11,8 +11,9 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from ...conf import outbox_settings
 from ...models import outbox_db
-from ...requeue import DEFAULT_BATCH_SIZE, STATUSES, Selection, requeue
+from ...requeue import DEFAULT_BATCH_SIZE, NO_SENT_ROWS, STATUSES, Selection, requeue
 from ..errors import DatabaseCommand, database_work
 from ..options import moment, positive_int
 
@@ -95,6 +96,8 @@ class Command(DatabaseCommand):
         database: str | None,
         **options: Any,
     ) -> None:
+        if status == "sent" and outbox_settings.deletes_on_confirm:
+            self.stderr.write(f"outbox_requeue: {NO_SENT_ROWS}", self.style.WARNING)
         selection = Selection(
             status=STATUSES[status],
             event_types=tuple(event_types),
