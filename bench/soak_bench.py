@@ -16,8 +16,10 @@ own exchange and queue (deleted afterwards):
    documented daily run against a 7-day retention);
 4. ``--mode``: ``default`` keeps SENT rows until the job deletes them; ``delete`` runs the
    relay with ``OUTBOX_RETENTION_DAYS = 0`` (its settle deletes what the broker confirmed;
-   the job then only has the inbox to purge); ``--autovacuum tuned`` (PostgreSQL) gives the
-   table the autovacuum settings docs/operations.md recommends.
+   the job then only has the inbox to purge); ``partitioned`` (PostgreSQL) converts the
+   table first (``outbox_partition --convert``, a partition per interval of the job), and
+   the job drops whole partitions; ``--autovacuum tuned`` (PostgreSQL) gives the table the
+   autovacuum settings docs/operations.md recommends.
 
 Per tenth of the events it prints: emit p50/p99 (the transaction, commit included),
 commit -> delivered p50/p99, the drain rate (events the consumer got per second in that
@@ -32,7 +34,7 @@ survives to read (the settle deletes the row). It does not include the settle's 
 milliseconds, in either mode.
 
     python -m bench.soak_bench [--smoke] [--events 2000000] [--rate 1000] [--writers 8]
-        [--mode default|delete] [--autovacuum default|tuned]
+        [--mode default|delete|partitioned] [--autovacuum default|tuned]
         [--database postgres|mariadb] [--database-url URL]
         [--retention SECONDS] [--retention-every SECONDS]
 
@@ -75,7 +77,7 @@ from bench.relay_bench import (
 )
 from django_outbox.masking import mask_url
 
-MODES = ("default", "delete")
+MODES = ("default", "delete", "partitioned")
 #: --autovacuum tuned: the outbox table's own settings (docs/operations.md, "Sizing the
 #: outbox"): vacuum after a fixed number of dead rows, not a fifth of the table, unthrottled.
 TUNED_AUTOVACUUM = (
@@ -272,20 +274,33 @@ def table_figures() -> tuple[int, int, int | None]:
         return int(size), int(indexes), None
 
 
-def prepare_table(mode: str, autovacuum: str) -> None:
+def prepare_table(mode: str, autovacuum: str, *, span: float, history: float) -> None:
     """The table as ``--mode`` and ``--autovacuum`` want it, before the relay starts."""
+    from datetime import timedelta
+
     from django.db import connection
 
     from django_outbox.models import OutboxEvent
+    from django_outbox.partitions import convert
 
     if connection.vendor != "postgresql":
-        if autovacuum != "default":
-            raise SystemExit("--autovacuum tuned is PostgreSQL only")
+        if mode == "partitioned" or autovacuum != "default":
+            raise SystemExit("--mode partitioned and --autovacuum tuned are PostgreSQL only")
         return
     if autovacuum == "tuned":
         table = connection.ops.quote_name(OutboxEvent._meta.db_table)
         with connection.cursor() as cursor:
+            # Before a conversion: each partition takes the table's storage parameters.
             cursor.execute(f"ALTER TABLE {table} SET ({TUNED_AUTOVACUUM})")
+    if mode == "partitioned":
+        # A partition per purge interval, as a day per daily purge; a few spans ahead, so a
+        # run that created none in time still finds them (the DEFAULT one catches the rest).
+        convert(
+            "default",
+            span=timedelta(seconds=span),
+            history=timedelta(seconds=history),
+            ahead=3,
+        )
 
 
 def backlog() -> int:
@@ -525,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
         "--mode",
         choices=MODES,
         default="default",
-        help="default: SENT rows kept, purged in batches; delete: OUTBOX_RETENTION_DAYS = 0",
+        help="default: SENT rows kept, purged in batches; delete: OUTBOX_RETENTION_DAYS = 0; "
+        "partitioned: outbox_partition --convert, a partition per purge interval",
     )
     p.add_argument(
         "--autovacuum",
@@ -575,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
         older_than_days = None if args.mode == "delete" else retention / 86400
         if args.mode == "delete":
             env["BENCH_RETENTION_DAYS"] = "0"
-        prepare_table(args.mode, args.autovacuum)
+        prepare_table(args.mode, args.autovacuum, span=every, history=retention)
         relay = RelayChild(env, relay_args, None)
         code = 1
         try:

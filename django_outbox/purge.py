@@ -23,6 +23,7 @@ from functools import partial
 
 from django.db import router
 
+from . import partitions as partitioned
 from .conf import OutboxSettings, outbox_settings
 from .db import DbNow
 from .exceptions import OutboxError
@@ -54,6 +55,11 @@ class PurgeResult:
     inbox_kept: str = ""
     #: What the caller should tell the operator (the command prints them on stderr).
     warnings: list[str] = field(default_factory=list)
+    #: A partitioned outbox (PostgreSQL, outbox_partition): partitions dropped whole, and
+    #: those past the retention kept, with why (the rows in them that are not SENT).
+    partitions_dropped: list[str] = field(default_factory=list)
+    partitions_kept: dict[str, str] = field(default_factory=dict)
+    partitions_created: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -74,6 +80,13 @@ class PurgeResult:
             f"purge_outbox: {verb} {self.total} row(s) older than {self.older_than_days:g} "
             f"day(s) ({self.sent} sent, {dead}) in {self.batches} batch(es); {inbox}"
         )
+        if self.partitions_dropped or self.partitions_kept or self.partitions_created:
+            drop = "would drop" if self.dry_run else "dropped"
+            text += (
+                f"; partitions: {drop} {len(self.partitions_dropped)} holding SENT rows only, "
+                f"kept {len(self.partitions_kept)} past retention, created "
+                f"{len(self.partitions_created)} ahead"
+            )
         return text
 
 
@@ -128,6 +141,15 @@ def purge(
         )
     db = outbox_db(using)
     result = PurgeResult(older_than_days=days, dry_run=dry_run, include_dead=bool(dead_too))
+    if not keeps_none and partitioned.is_partitioned(db):
+        # Whole partitions first: what is left past the cutoff is in partitions kept for
+        # their PENDING/DEAD rows (or the DEFAULT one), for the batched DELETE below.
+        if not dry_run:
+            result.partitions_created = partitioned.ensure_partitions(db)
+        dropped = partitioned.drop_partitions(db, timedelta(days=days), dry_run=dry_run)
+        result.partitions_dropped, result.partitions_kept = dropped.dropped, dropped.kept
+        for name, why in dropped.kept.items():
+            result.warnings.append(f"partition {name} is past retention and kept: {why}")
     statuses = [Status.SENT, Status.DEAD] if dead_too else [Status.SENT]
     for status in statuses:
         old = OutboxEvent.objects.using(db).filter(status=status)
