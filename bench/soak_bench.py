@@ -146,6 +146,14 @@ class Consumer:
             self.process.kill()
             raise RuntimeError(f"the consumer did not start: {line!r}")
 
+    def discard(self) -> None:
+        """Stop it if it still runs (a run that failed), before its queue goes."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if os.path.exists(self.out.name):
+            os.unlink(self.out.name)
+
     def stop(self, events: int) -> array.array[float]:
         """Stop it and return, per sequence, when the event first arrived (0: never)."""
         self.process.send_signal(signal.SIGTERM)
@@ -253,11 +261,13 @@ def table_figures() -> tuple[int, int, int | None]:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             # The table and, when partitioned, every partition of it.
+            # (pg_partition_tree() lists nothing for a table that is not partitioned.)
             cursor.execute(
                 "SELECT SUM(pg_table_size(t.relid)), SUM(pg_indexes_size(t.relid)), "
-                "COALESCE(SUM(s.n_dead_tup), 0) FROM pg_partition_tree(%s) t "
+                "COALESCE(SUM(s.n_dead_tup), 0) FROM (SELECT relid FROM pg_partition_tree(%s) "
+                "UNION SELECT to_regclass(%s)) t "
                 "LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid",
-                [table],
+                [table, table],
             )
             size, indexes, dead = cursor.fetchone()
             return int(size), int(indexes), int(dead)
@@ -594,6 +604,7 @@ def main(argv: list[str] | None = None) -> None:
         prepare_table(args.mode, args.autovacuum, span=every, history=retention)
         relay = RelayChild(env, relay_args, None)
         code = 1
+        consumer_child: Consumer | None = None
         try:
             _warm_up(relay, args.url, ex)
             consumer_child = Consumer(env, args.url, ex)
@@ -608,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         finally:
             code = relay.stop()
+            if consumer_child is not None:
+                consumer_child.discard()
         print_tenths(tenths)
         # The first tenth by whose end SENT rows older than the window had started to go.
         window_tenth = min(TENTHS, int(retention / (duration / TENTHS)) + 2)
