@@ -19,7 +19,9 @@ own exchange and queue (deleted afterwards):
    the job then only has the inbox to purge); ``partitioned`` (PostgreSQL) converts the
    table first (``outbox_partition --convert``, a partition per interval of the job), and
    the job drops whole partitions; ``--autovacuum tuned`` (PostgreSQL) gives the table the
-   autovacuum settings docs/operations.md recommends.
+   autovacuum settings docs/operations.md recommends, ``--autovacuum job`` has the job
+   VACUUM the table after each pass (for a server that runs with ``autovacuum = off``, as
+   this project's development machine does).
 
 Per tenth of the events it prints: emit p50/p99 (the transaction, commit included),
 commit -> delivered p50/p99, the drain rate (events the consumer got per second in that
@@ -34,7 +36,7 @@ survives to read (the settle deletes the row). It does not include the settle's 
 milliseconds, in either mode.
 
     python -m bench.soak_bench [--smoke] [--events 2000000] [--rate 1000] [--writers 8]
-        [--mode default|delete|partitioned] [--autovacuum default|tuned]
+        [--mode default|delete|partitioned] [--autovacuum default|tuned|job]
         [--database postgres|mariadb] [--database-url URL]
         [--retention SECONDS] [--retention-every SECONDS]
 
@@ -179,10 +181,21 @@ class Pass:
     longest_batch: float
 
 
-def retention_child(every: float, older_than_days: float | None) -> None:
+def _vacuum() -> None:
+    """VACUUM the outbox table (every partition of it), as autovacuum would."""
+    from django.db import connection
+
+    from django_outbox.models import OutboxEvent
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"VACUUM {connection.ops.quote_name(OutboxEvent._meta.db_table)}")
+
+
+def retention_child(every: float, older_than_days: float | None, vacuum: bool = False) -> None:
     """The child: ``purge()`` (what ``purge_outbox`` and the Celery task ``django_outbox.purge``
     run) every ``every`` seconds, as a scheduler that is already up would start it, until
-    SIGTERM; one JSON line per pass. A process of its own, so its work does not take this
+    SIGTERM; one JSON line per pass; with ``vacuum``, a VACUUM of the table after each
+    (``--autovacuum job``). A process of its own, so its work does not take this
     process's GIL from the writers, and its start-up is not timed as part of a pass."""
     import json
 
@@ -207,6 +220,8 @@ def retention_child(every: float, older_than_days: float | None) -> None:
             force=True,
             on_batch=lambda kind, rows, took, into=batches: into.append(took),
         )
+        if vacuum:
+            _vacuum()
         print(
             json.dumps([started, time.time() - started, result.total, max(batches, default=0)]),
             flush=True,
@@ -216,8 +231,12 @@ def retention_child(every: float, older_than_days: float | None) -> None:
 class RetentionJob:
     """The retention child: its passes, read as they come."""
 
-    def __init__(self, env: dict[str, str], every: float, older_than_days: float | None) -> None:
+    def __init__(
+        self, env: dict[str, str], every: float, older_than_days: float | None, vacuum: bool
+    ) -> None:
         command = [sys.executable, "-m", "bench.soak_bench", "--retention-child"]
+        if vacuum:
+            command += ["--autovacuum", "job"]
         command += ["--retention-every", str(every)]
         if older_than_days is not None:
             command += ["--older-than-days", repr(older_than_days)]
@@ -295,7 +314,7 @@ def prepare_table(mode: str, autovacuum: str, *, span: float, history: float) ->
 
     if connection.vendor != "postgresql":
         if mode == "partitioned" or autovacuum != "default":
-            raise SystemExit("--mode partitioned and --autovacuum tuned are PostgreSQL only")
+            raise SystemExit("--mode partitioned and --autovacuum are PostgreSQL only")
         return
     if autovacuum == "tuned":
         table = connection.ops.quote_name(OutboxEvent._meta.db_table)
@@ -395,12 +414,13 @@ def soak(
     older_than_days: float | None,
     every: float,
     consumer_child: Consumer,
+    vacuum: bool = False,
 ) -> list[Tenth]:
     from django.db import connection
 
     tenths = [Tenth(n + 1) for n in range(TENTHS)]
     bounds = [events * (n + 1) // TENTHS for n in range(TENTHS)]
-    job = RetentionJob(env, every, older_than_days)
+    job = RetentionJob(env, every, older_than_days, vacuum)
     writing = Writers(events, rate, writers)
     writing.start()
     try:
@@ -555,9 +575,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--autovacuum",
-        choices=["default", "tuned"],
+        choices=["default", "tuned", "job"],
         default="default",
-        help="PostgreSQL: the server's autovacuum settings, or the table's own (tuned)",
+        help="PostgreSQL: the server's autovacuum settings, the table's own (tuned), or a "
+        "VACUUM of the table by the retention job after each pass (job)",
     )
     p.add_argument("--database", choices=sorted(SERVERS), default="postgres")
     p.add_argument("--database-url", default=None, help="the server (its database is unused)")
@@ -575,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--older-than-days", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.retention_child:
-        retention_child(args.retention_every, args.older_than_days)
+        retention_child(args.retention_every, args.older_than_days, args.autovacuum == "job")
         return
     if args.consumer:
         consumer(args.url, args.queue, args.out)
@@ -616,6 +637,7 @@ def main(argv: list[str] | None = None) -> None:
                 older_than_days=older_than_days,
                 every=every,
                 consumer_child=consumer_child,
+                vacuum=args.autovacuum == "job",
             )
         finally:
             code = relay.stop()
