@@ -15,7 +15,14 @@ from .states import Status
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
 
-__all__ = ["AggregateSequence", "InboxMessage", "OutboxEvent", "Status", "outbox_db"]
+__all__ = [
+    "AggregateSequence",
+    "InboxMessage",
+    "OutboxEvent",
+    "OutboxTaskResult",
+    "Status",
+    "outbox_db",
+]
 
 
 class LeaseTokenField(models.CharField):
@@ -230,3 +237,62 @@ class AggregateSequence(models.Model):
 
     def __str__(self) -> str:
         return f"{self.handler} {self.aggregate_type}:{self.aggregate_id} @{self.last_sequence}"
+
+
+class OutboxTaskResult(models.Model):
+    """The result of one Django task enqueued on the outbox (``tasks_backend.py``).
+
+    Written by the worker (``outbox_worker``), not at ``enqueue()``: the enqueue is one
+    outbox row, as cheap as an ``emit()``, and until the worker takes the task
+    ``get_result()`` reads its READY state from that row. The status values are Django's
+    ``TaskResultStatus``, spelt out here so that the table does not depend on the tasks
+    library being installed.
+    """
+
+    class TaskStatus(models.TextChoices):
+        READY = "READY", _("Ready")
+        RUNNING = "RUNNING", _("Running")
+        FAILED = "FAILED", _("Failed")
+        SUCCESSFUL = "SUCCESSFUL", _("Successful")
+
+    #: The TaskResult's id: the task's outbox event_id.
+    id = models.CharField(_("id"), max_length=64, primary_key=True)
+    task_path = models.CharField(_("task path"), max_length=255)
+    backend_name = models.CharField(_("backend"), max_length=100)
+    queue_name = models.CharField(_("queue"), max_length=100)
+    priority = models.IntegerField(_("priority"), default=0)
+    args_kwargs = models.JSONField(_("arguments"), encoder=DjangoJSONEncoder, default=dict)
+    run_after = models.DateTimeField(_("run after"), null=True, blank=True)
+    status = models.CharField(
+        _("status"), max_length=10, choices=TaskStatus.choices, default=TaskStatus.READY
+    )
+    enqueued_at = models.DateTimeField(_("enqueued at"))
+    started_at = models.DateTimeField(_("started at"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished at"), null=True, blank=True)
+    last_attempted_at = models.DateTimeField(_("last attempted at"), null=True, blank=True)
+    return_value = models.JSONField(
+        _("return value"), encoder=DjangoJSONEncoder, null=True, blank=True
+    )
+    #: One ``{"exception_class_path": ..., "traceback": ...}`` per failed attempt.
+    errors = models.JSONField(_("errors"), default=list, blank=True)
+    #: One worker id per attempt (``TaskResult.attempts`` is their count).
+    worker_ids = models.JSONField(_("worker ids"), default=list, blank=True)
+    #: Retries the worker may still schedule after this attempt's failure is decided from
+    #: the task's ``max_retries`` (or the backend's MAX_RETRIES).
+    max_retries = models.PositiveIntegerField(_("max retries"), default=0)
+    #: The event_id of the outbox message the next attempt comes in (the task's id for the
+    #: first, a new one per retry or requeue): any other delivery of the task is stale (a
+    #: redelivery of an attempt already recorded) and is acknowledged without running.
+    message_id = models.CharField(_("message id"), max_length=64, blank=True, default="")
+
+    class Meta:
+        verbose_name = _("task result")
+        verbose_name_plural = _("task results")
+        ordering = ("-enqueued_at",)
+        indexes = [
+            # The admin's filters and triage: FAILED tasks of a queue.
+            models.Index(fields=["status", "queue_name"], name="django_outbox_task_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_path} {self.id} {self.status}"

@@ -53,3 +53,12 @@ if os.environ.get("OTHER_DATABASE_URL") != "none":
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 SILENCED_SYSTEM_CHECKS = []
 LOGGING = {"version": 1, "disable_existing_loggers": False}
+
+# Django's Tasks API on the outbox (tests/test_tasks_backend.py): the tasks in tests/tasks_app.
+TASKS = {
+    "default": {
+        "BACKEND": "django_outbox.tasks_backend.OutboxTaskBackend",
+        "QUEUES": ["default", "other"],
+        "OPTIONS": {"MAX_RETRIES": 2},
+    }
+}

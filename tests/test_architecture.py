@@ -56,6 +56,8 @@ RULES: dict[str, tuple[set[str], set[str] | None]] = {
             "templatetags.*",
             "checks",
             "tasks",
+            "tasks_backend",
+            "tasks_worker",
             "celery",
             "testing",
             "apps",

@@ -1,0 +1,153 @@
+"""manage.py outbox_worker: run the Django tasks enqueued on the outbox (docs/tasks.md).
+
+The consumer engine of ``consume_outbox`` with the task handler
+(``django_outbox.tasks_worker``): one broker queue per task queue, ``--concurrency``
+consumers (threads) on each.
+
+Exit codes: 0 stopped by a signal, or ``--once`` done; 1 a second signal; 2 misconfigured
+(TASKS, a queue not in QUEUES, the broker URL), the outbox's database unreachable or
+unmigrated at start, or (``--once``) no broker node could be connected to.
+"""
+
+from __future__ import annotations
+
+import threading
+from json import dumps
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import CommandError, CommandParser
+
+from ...consumer import BrokerUnreachable, ImproperlyConfiguredConsumer
+from ...worker import configure_logging, stop_on_signals
+from ..errors import DatabaseCommand
+from ..options import positive_int, queue_type
+from .consume_outbox import transport_consumer
+
+if TYPE_CHECKING:
+    from django.db.models import Model
+
+
+class Command(DatabaseCommand):
+    help = (
+        "Run the Django tasks of an OutboxTaskBackend: read each task queue from the broker "
+        "and run its tasks, recording each result with the task's own writes. Runs until "
+        "SIGTERM/SIGINT (the task in hand is finished; a second signal exits 1)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--backend",
+            default="default",
+            help="The alias in TASKS of the OutboxTaskBackend (default 'default').",
+        )
+        parser.add_argument(
+            "--queue",
+            action="append",
+            dest="queues",
+            default=None,
+            metavar="NAME",
+            help="Run the tasks of this queue (repeatable; default every queue in QUEUES).",
+        )
+        parser.add_argument(
+            "--concurrency",
+            type=positive_int,
+            default=1,
+            help="Tasks run at once per queue, each on a thread with its own broker and "
+            "database connections (default 1).",
+        )
+        parser.add_argument(
+            "--prefetch",
+            type=positive_int,
+            default=None,
+            help="Messages each consumer holds unacknowledged (default OUTBOX_CONSUMER_PREFETCH).",
+        )
+        parser.add_argument(
+            "--queue-type",
+            type=queue_type,
+            default=None,
+            help="quorum or classic (default OUTBOX_CONSUMER_QUEUE_TYPE).",
+        )
+        parser.add_argument(
+            "--once",
+            action="store_true",
+            help="Exit as soon as every queue has been empty for a second.",
+        )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="At the end, print the totals as one JSON object instead of the summary line.",
+        )
+
+    def databases_needed(self, options: dict[str, Any]) -> list[str]:
+        backend = _backend(options.get("backend") or "default")
+        return [backend.using] if backend is not None else []
+
+    def tables_needed(self, options: dict[str, Any]) -> dict[str, dict[type[Model], str]]:
+        from ...models import OutboxTaskResult
+
+        backend = _backend(options.get("backend") or "default")
+        if backend is None:
+            return {}
+        return {backend.using: {OutboxTaskResult: "outbox_worker"}}
+
+    def handle(
+        self,
+        *,
+        backend: str,
+        queues: list[str] | None,
+        concurrency: int,
+        prefetch: int | None,
+        queue_type: str | None,
+        once: bool,
+        json: bool,
+        verbosity: int,
+        **options: Any,
+    ) -> None:
+        configure_logging(verbosity)
+        from ...tasks_worker import Worker
+
+        try:
+            worker = Worker(
+                backend_alias=backend,
+                queue_names=queues,
+                concurrency=concurrency,
+                consumer_class=transport_consumer(),
+                prefetch=prefetch,
+                queue_type=queue_type,
+            )
+        except (
+            ImproperlyConfigured,
+            ImproperlyConfiguredConsumer,
+            ImportError,
+            TypeError,
+            ValueError,
+        ) as exc:
+            raise CommandError(f"outbox_worker: {exc}", returncode=2) from exc
+        if verbosity >= 1:
+            self.stderr.write(
+                f"outbox_worker: queue(s) {', '.join(worker.queue_names)} of TASKS[{backend!r}], "
+                f"{concurrency} at once each, on {worker.consumers[0].nodes}"
+            )
+        stop = threading.Event()
+        with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
+            try:
+                result = worker.serve(stop=stop, once=once)
+            except BrokerUnreachable as exc:
+                raise CommandError(f"outbox_worker: {exc}", returncode=2) from exc
+        if json:
+            self.stdout.write(dumps(result.as_dict(), sort_keys=True))
+        else:
+            self.stdout.write(f"outbox_worker stopped: {result.summary()}")
+
+
+def _backend(alias: str) -> Any:
+    """The OutboxTaskBackend of ``alias``; None when it is not one (handle() says so)."""
+    try:
+        from ..._compat.tasks import task_backends
+        from ...tasks_backend import OutboxTaskBackend
+
+        backend = task_backends[alias]
+    except Exception:
+        return None
+    return backend if isinstance(backend, OutboxTaskBackend) else None

@@ -1,0 +1,332 @@
+"""Django's Tasks API on the outbox: the backend (enqueue, get_result, validation, signals)
+and the worker (``tasks_worker.py``) on the consumer engine, through locmem and RabbitMQ."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from django_outbox._compat.tasks import (
+    InvalidTask,
+    TaskResultDoesNotExist,
+    TaskResultStatus,
+    task_enqueued,
+    task_finished,
+    task_started,
+)
+from django_outbox.backends import locmem
+from django_outbox.consumer import Outcome
+from django_outbox.consumer.dispatch import Action, process_messages
+from django_outbox.models import OutboxEvent, OutboxTaskResult
+from django_outbox.states import Status
+from django_outbox.tasks_backend import OutboxTaskBackend
+from django_outbox.tasks_worker import TaskDispatcher, Worker, task_handler
+from tests.task_functions import (
+    add,
+    async_add,
+    fail_always,
+    fail_first,
+    make_widget,
+    make_widget_then_fail,
+    not_a_task,
+)
+from tests.testapp.models import Widget
+from tests.utils.relay import make_relay
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _dispatcher() -> TaskDispatcher:
+    return TaskDispatcher(handlers=[task_handler("default", ["default", "other"])], retry_delay=0)
+
+
+def _run_due(dispatcher: TaskDispatcher | None = None) -> list[Any]:
+    """Relay what is due to locmem and run it through the task dispatcher: the decisions."""
+    dispatcher = dispatcher or _dispatcher()
+    locmem.outbox.clear()
+    make_relay().drain()
+    messages = list(locmem.outbox)
+    locmem.outbox.clear()
+    return [dispatcher.receive(m.delivery()) for m in messages]
+
+
+# -- the backend ------------------------------------------------------------------------------
+def test_enqueue_rolled_back_never_runs():
+    with pytest.raises(RuntimeError), transaction.atomic():
+        result = add.enqueue(1, 2)
+        assert OutboxEvent.objects.filter(event_id=result.id).exists()
+        raise RuntimeError("the business write fails")
+    assert not OutboxEvent.objects.exists()
+    with pytest.raises(TaskResultDoesNotExist):
+        add.get_result(result.id)
+    assert _run_due() == []
+
+
+def test_enqueue_committed_is_one_outbox_row_ready():
+    with transaction.atomic():
+        Widget.objects.create(code="w1")
+        result = add.enqueue(2, 3)
+    assert result.status == TaskResultStatus.READY
+    assert result.enqueued_at is not None
+    event = OutboxEvent.objects.get()
+    assert event.event_id == result.id
+    assert event.event_type == "django.tasks.default"
+    assert event.payload["task"] == "tests.task_functions.add"
+    assert event.payload["args"] == [2, 3]
+    fetched = add.get_result(result.id)
+    assert fetched.status == TaskResultStatus.READY
+    assert fetched.args == [2, 3]
+    assert fetched.task.func is add.func
+
+
+def test_enqueue_outside_a_transaction_commits_at_once():
+    result = add.enqueue(1, 1)
+    assert OutboxEvent.objects.filter(event_id=result.id, status=Status.PENDING).exists()
+
+
+def test_run_after_is_the_rows_scheduled_time():
+    later = timezone.now() + timedelta(hours=1)
+    result = add.using(run_after=later).enqueue(1, 2)
+    event = OutboxEvent.objects.get(event_id=result.id)
+    assert event.due_at == later.replace(microsecond=event.due_at.microsecond)
+    assert abs((event.next_retry_time - later).total_seconds()) < 1
+    assert _run_due() == []  # not due: not published, not run
+    assert add.get_result(result.id).task.run_after == later
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "text"),
+    [
+        (lambda: add.using(queue_name="nope"), InvalidTask, "Queue 'nope' is not valid"),
+        (lambda: add.using(priority=5), InvalidTask, "priority"),
+        (
+            lambda: add.using(run_after=timezone.now().replace(tzinfo=None)),
+            InvalidTask,
+            "aware",
+        ),
+    ],
+)
+def test_validate_task_refuses_what_cannot_work(make, error, text):
+    with pytest.raises(error, match=text):
+        make().enqueue(1, 2)
+    assert not OutboxEvent.objects.exists()
+
+
+def test_a_non_json_argument_is_refused_and_nothing_written():
+    with pytest.raises(TypeError):
+        add.enqueue(object(), 2)
+    assert not OutboxEvent.objects.exists()
+
+
+def test_max_retries_and_options_are_checked():
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_outbox.tasks_backend import OutboxTask
+
+    with pytest.raises(InvalidTask, match="max_retries"):
+        OutboxTask(func=not_a_task, max_retries=-1)
+    with pytest.raises(ImproperlyConfigured, match="MAX_RETRIES"):
+        OutboxTaskBackend("x", {"OPTIONS": {"MAX_RETRIES": "3"}})
+    with pytest.raises(ImproperlyConfigured, match="unknown keys"):
+        OutboxTaskBackend("x", {"OPTIONS": {"RETRIES": 3}})
+
+
+def test_task_enqueued_signal():
+    seen: list[Any] = []
+
+    def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        seen.append((sender, task_result.id))
+
+    task_enqueued.connect(receiver)
+    try:
+        result = add.enqueue(1, 2)
+    finally:
+        task_enqueued.disconnect(receiver)
+    assert seen == [(OutboxTaskBackend, result.id)]
+
+
+def test_get_result_of_an_unknown_id():
+    with pytest.raises(TaskResultDoesNotExist):
+        add.get_result("no-such-task")
+
+
+# -- the worker -------------------------------------------------------------------------------
+def test_worker_runs_a_committed_task_once_with_its_effects():
+    started: list[Any] = []
+    finished: list[Any] = []
+
+    def on_started(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        started.append(task_result.status)
+
+    def on_finished(sender: Any, task_result: Any, **kwargs: Any) -> None:
+        finished.append(task_result.status)
+
+    task_started.connect(on_started)
+    task_finished.connect(on_finished)
+    with transaction.atomic():
+        result = make_widget.enqueue("w1", name="one")
+    locmem.outbox.clear()
+    make_relay().drain()
+    (message,) = locmem.outbox
+    dispatcher = _dispatcher()
+    decision = dispatcher.receive(message.delivery())
+    assert decision.action is Action.ACKNOWLEDGE
+    assert decision.outcome is Outcome.PROCESSED
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == "w1"
+    assert result.started_at and result.finished_at and result.last_attempted_at
+    assert len(result.worker_ids) == 1
+    assert Widget.objects.get().name == "one"
+    # A redelivery of a task that succeeded does not run it again.
+    again = dispatcher.receive(message.delivery())
+    assert again.outcome is Outcome.DUPLICATE
+    assert again.action is Action.ACKNOWLEDGE
+    assert Widget.objects.count() == 1
+    task_started.disconnect(on_started)
+    task_finished.disconnect(on_finished)
+    assert started == [TaskResultStatus.RUNNING]
+    assert finished == [TaskResultStatus.SUCCESSFUL]
+
+
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_a_raising_task_is_retried_then_failed_with_its_error():
+    result = fail_always.enqueue("x")
+    decisions = _run_due()
+    assert [d.action for d in decisions] == [Action.ACKNOWLEDGE]
+    result.refresh()
+    assert result.status == TaskResultStatus.READY
+    assert len(result.errors) == 1
+    # MAX_RETRIES 2 (tests/settings.py): two more attempts, the last dead-letters.
+    assert [d.action for d in _run_due()] == [Action.ACKNOWLEDGE]
+    (last,) = _run_due()
+    assert last.action is Action.DEAD_LETTER
+    assert "always fails: x" in last.reason
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.attempts == 3
+    assert [e.exception_class_path for e in result.errors] == ["builtins.ValueError"] * 3
+    assert "always fails: x" in result.errors[-1].traceback
+    assert result.errors[-1].exception_class is ValueError
+    assert result.finished_at is not None
+    with pytest.raises(ValueError, match="Task failed"):
+        _ = result.return_value
+    assert _run_due() == []
+
+
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_a_failed_attempts_writes_roll_back_and_the_tasks_own_limit_applies():
+    result = make_widget_then_fail.enqueue("w2")  # max_retries=1 on the task
+    assert [d.action for d in _run_due()] == [Action.ACKNOWLEDGE]
+    assert [d.action for d in _run_due()] == [Action.DEAD_LETTER]
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert len(result.errors) == 2
+    assert not Widget.objects.exists()
+
+
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_a_task_that_fails_once_succeeds_on_its_retry():
+    result = fail_first.enqueue("w3")
+    _run_due()
+    _run_due()
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 2
+    assert result.attempts == 2
+    assert Widget.objects.filter(code="w3").count() == 1
+
+
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_a_stale_redelivery_of_a_failed_attempt_does_not_run_it_twice():
+    result = fail_first.enqueue("w4")
+    locmem.outbox.clear()
+    make_relay().drain()
+    (first,) = locmem.outbox
+    dispatcher = _dispatcher()
+    dispatcher.receive(first.delivery())  # fails, schedules attempt 2
+    assert dispatcher.receive(first.delivery()).outcome is Outcome.DUPLICATE
+    result.refresh()
+    assert result.attempts == 1
+
+
+def test_async_task_runs_in_the_worker():
+    result = async_add.enqueue(20, 22)
+    _run_due()
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 42
+
+
+def test_get_result_from_the_results_table_in_another_thread():
+    result = add.enqueue(4, 5)
+    _run_due()
+    seen: list[Any] = []
+
+    def read() -> None:
+        from django.db import connections
+
+        try:
+            seen.append(add.get_result(result.id).return_value)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    assert seen == [9]
+
+
+def test_process_messages_helper_runs_tasks():
+    add.enqueue(1, 2)
+    locmem.outbox.clear()
+    make_relay().drain()
+    (results,) = process_messages(list(locmem.outbox), dispatcher=_dispatcher())
+    assert results[0].outcome is Outcome.PROCESSED
+    assert OutboxTaskResult.objects.get().return_value == 3
+
+
+# -- RabbitMQ ---------------------------------------------------------------------------------
+@pytest.mark.amqp
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_worker_on_rabbitmq_runs_tasks_and_dead_letters_a_failing_one(broker):
+    from django_outbox.backends.pika import PikaBackend
+    from django_outbox.consumer.amqp import Consumer
+
+    worker = Worker(
+        queue_names=["default"],
+        consumer_class=Consumer,
+        url=broker.url,
+        exchange=broker.exchange,
+        queue=broker.queue,
+        idle_timeout=0.5,
+    )
+    worker.consumers[0].connect()  # declares the queue and its binding
+    with transaction.atomic():
+        ok = make_widget.enqueue("r1")
+        bad = fail_always.enqueue("r2")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        make_widget.enqueue("never")
+        raise RuntimeError("rolled back")
+
+    def relay_and_work() -> None:
+        make_relay(backend=PikaBackend(broker_url=broker.url, exchange=broker.exchange)).drain()
+        worker.serve(stop=threading.Event(), once=True)
+
+    for _ in range(3):  # the first run, then a retry per pass (MAX_RETRIES 2)
+        relay_and_work()
+    ok.refresh()
+    bad.refresh()
+    assert ok.status == TaskResultStatus.SUCCESSFUL
+    assert bad.status == TaskResultStatus.FAILED
+    assert bad.attempts == 3
+    assert list(Widget.objects.values_list("code", flat=True)) == ["r1"]
+    _method, props, _body = broker.get(broker.dlq)
+    assert props.message_id == f"{bad.id}.3"
+    assert "always fails: r2" in props.headers["x-outbox-reason"]
