@@ -35,3 +35,17 @@ LOGGING = {
 # soak_bench --mode delete: the relay child deletes what the broker confirmed.
 if os.environ.get("BENCH_RETENTION_DAYS"):
     OUTBOX_RETENTION_DAYS = float(os.environ["BENCH_RETENTION_DAYS"])
+
+# bench/tasks_bench.py: Django's Tasks API on the outbox ("default"), against django-tasks-db
+# ("db") when it is installed (the anchor; pip install django-tasks-db).
+import importlib.util  # noqa: E402
+
+TASKS = {
+    "default": {
+        "BACKEND": "django_outbox.tasks_backend.OutboxTaskBackend",
+        "OPTIONS": {"BROKER_QUEUE_PREFIX": f"{OUTBOX_EXCHANGE}.tasks."},
+    }
+}
+if importlib.util.find_spec("django_tasks_db") is not None:
+    INSTALLED_APPS = [*INSTALLED_APPS, "django_tasks_db"]  # noqa: F405
+    TASKS["db"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}

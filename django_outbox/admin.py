@@ -748,3 +748,7 @@ def _cut(text: str) -> str:
 def _pretty(value: Any) -> str:
     text = json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
     return format_html('<pre class="outbox-pre">{}</pre>', text)
+
+
+# Django task results (docs/tasks.md): their own module, so that this one stays readable.
+from . import tasks_admin  # noqa: E402, F401

@@ -53,6 +53,10 @@ __all__ = [
 EVENT_TYPE_PREFIX = "django.tasks."
 #: Retries of a task that raises, after its first run, unless OPTIONS or the task say.
 DEFAULT_MAX_RETRIES = 3
+#: The broker queue the worker reads for a task queue is this and the queue's name.
+DEFAULT_BROKER_QUEUE_PREFIX = "django.tasks."
+#: What OPTIONS may hold.
+OPTIONS = frozenset({"MAX_RETRIES", "DATABASE", "BROKER_QUEUE_PREFIX"})
 #: The longest queue name: an event type holds 128 characters.
 MAX_QUEUE_NAME = 128 - len(EVENT_TYPE_PREFIX)
 
@@ -81,7 +85,9 @@ class OutboxTaskBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
 
     OPTIONS: ``MAX_RETRIES`` (default 3): retries of a task that raises, after the
     backoff of ``OUTBOX_RETRY_SCHEDULE``; ``DATABASE``: the alias of the outbox to write to
-    (default the router's choice for the outbox).
+    (default the router's choice for the outbox); ``BROKER_QUEUE_PREFIX`` (default
+    ``django.tasks.``): the worker reads task queue ``q`` from the broker queue
+    ``<prefix>q``.
     """
 
     task_class = OutboxTask
@@ -95,11 +101,11 @@ class OutboxTaskBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
-        unknown = sorted(set(self.options) - {"MAX_RETRIES", "DATABASE"})
+        unknown = sorted(set(self.options) - OPTIONS)
         if unknown:
             raise ImproperlyConfigured(
                 f"TASKS[{alias!r}]['OPTIONS'] has unknown keys {unknown}; "
-                "OutboxTaskBackend takes MAX_RETRIES and DATABASE."
+                f"OutboxTaskBackend takes {', '.join(sorted(OPTIONS))}."
             )
         self.max_retries = _retries(
             self.options.get("MAX_RETRIES", DEFAULT_MAX_RETRIES),
@@ -107,6 +113,9 @@ class OutboxTaskBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
             ImproperlyConfigured,
         )
         self.database: str | None = self.options.get("DATABASE")
+        self.broker_queue_prefix = str(
+            self.options.get("BROKER_QUEUE_PREFIX", DEFAULT_BROKER_QUEUE_PREFIX)
+        )
         for name in self.queues:
             if not isinstance(name, str) or not name or len(name) > MAX_QUEUE_NAME:
                 raise ImproperlyConfigured(
@@ -114,6 +123,10 @@ class OutboxTaskBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
                     f"1 to {MAX_QUEUE_NAME} characters (it becomes the routing key "
                     f"{EVENT_TYPE_PREFIX}<queue>)."
                 )
+
+    def broker_queue(self, queue_name: str) -> str:
+        """The broker queue ``outbox_worker`` reads the tasks of ``queue_name`` from."""
+        return f"{self.broker_queue_prefix}{queue_name}"
 
     @property
     def using(self) -> str:
@@ -280,3 +293,24 @@ def _retries(value: Any, what: str, error: type[Exception]) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise error(f"{what} is {value!r}; use a whole number of retries, 0 or more.")
     return value
+
+
+def requeue_failed(rows: Any, using: str) -> int:
+    """Give each FAILED task of ``rows`` (a queryset of results) one more attempt: READY
+    again, and a new outbox row for it in the same transaction. Returns how many."""
+    status = OutboxTaskResult.TaskStatus
+    count = 0
+    with transaction.atomic(using=using):
+        for row in rows.using(using).select_for_update().filter(status=status.FAILED):
+            row.status = status.READY
+            row.finished_at = None
+            row.message_id = f"{row.pk}.{len(row.errors) + 1}"
+            outbox.emit(
+                task_event_type(row.queue_name),
+                payload=row_payload(row),
+                event_id=row.message_id,
+                using=using,
+            )
+            row.save(using=using)
+            count += 1
+    return count

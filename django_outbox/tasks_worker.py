@@ -48,7 +48,7 @@ from .consumer.dispatch import Action, ConsumeResult, Decision, Dispatcher
 from .consumer.handlers import IdempotentHandler, Outcome, connection_lost
 from .message import Delivery, ReceivedEvent
 from .models import OutboxEvent, OutboxTaskResult
-from .tasks_backend import EVENT_TYPE_PREFIX, OutboxTaskBackend, task_event_type
+from .tasks_backend import OutboxTaskBackend, task_event_type
 
 logger = logging.getLogger("django_outbox.tasks")
 
@@ -62,11 +62,6 @@ class TaskGaveUp(Exception):
 
 class _Stale(Exception):
     """Raised inside the run transaction: another worker finished the task meanwhile."""
-
-
-def amqp_queue_name(queue_name: str) -> str:
-    """The broker queue a task queue's worker reads (one per task queue)."""
-    return f"{EVENT_TYPE_PREFIX}{queue_name}"
 
 
 def worker_id() -> str:
@@ -296,7 +291,7 @@ def task_consumer(
 ) -> BaseConsumer[Any]:
     """A consumer of the broker URL's transport that runs the tasks of ``queue_name``."""
     handler = task_handler(backend_alias, [queue_name])
-    options.setdefault("queue", amqp_queue_name(queue_name))
+    options.setdefault("queue", handler().backend.broker_queue(queue_name))
     consumer = consumer_class(handlers=[handler], **options)
     consumer.dispatcher = TaskDispatcher(
         handlers=[handler],

@@ -59,6 +59,10 @@ TASKS = {
     "default": {
         "BACKEND": "django_outbox.tasks_backend.OutboxTaskBackend",
         "QUEUES": ["default", "other"],
-        "OPTIONS": {"MAX_RETRIES": 2},
+        "OPTIONS": {
+            "MAX_RETRIES": 2,
+            # A child process of a test reads the test's own broker queues.
+            "BROKER_QUEUE_PREFIX": os.environ.get("TASKS_BROKER_QUEUE_PREFIX", "django.tasks."),
+        },
     }
 }

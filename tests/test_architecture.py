@@ -58,6 +58,7 @@ RULES: dict[str, tuple[set[str], set[str] | None]] = {
             "tasks",
             "tasks_backend",
             "tasks_worker",
+            "tasks_admin",
             "celery",
             "testing",
             "apps",

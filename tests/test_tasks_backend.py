@@ -3,6 +3,8 @@ and the worker (``tasks_worker.py``) on the consumer engine, through locmem and 
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 from datetime import timedelta
 from typing import Any
@@ -35,9 +37,12 @@ from tests.task_functions import (
     make_widget,
     make_widget_then_fail,
     not_a_task,
+    slow_widget,
 )
 from tests.testapp.models import Widget
 from tests.utils.relay import make_relay
+from tests.utils.subprocess import django_env, manage_command
+from tests.utils.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -330,3 +335,136 @@ def test_worker_on_rabbitmq_runs_tasks_and_dead_letters_a_failing_one(broker):
     _method, props, _body = broker.get(broker.dlq)
     assert props.message_id == f"{bad.id}.3"
     assert "always fails: r2" in props.headers["x-outbox-reason"]
+
+
+# -- outbox_worker, the command ---------------------------------------------------------------
+def _worker_child(broker: Any, tmp_path: Any, *options: str) -> subprocess.Popen[bytes]:
+    env = django_env(AMQP_URL=broker.url, TASKS_BROKER_QUEUE_PREFIX=f"{broker.queue}.")
+    command = manage_command("outbox_worker", "--exchange", broker.exchange, *options)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _relay_to(broker: Any) -> None:
+    from django_outbox.backends.pika import PikaBackend
+
+    make_relay(backend=PikaBackend(broker_url=broker.url, exchange=broker.exchange)).drain()
+
+
+def _declare_task_queue(broker: Any, queue_name: str = "default") -> str:
+    """The broker queue a worker child reads for ``queue_name``, declared (as the worker
+    declares it) so that the relay's messages have somewhere to go."""
+    from django_outbox.consumer.amqp import Consumer
+    from django_outbox.tasks_worker import task_consumer
+
+    name = f"{broker.queue}.{queue_name}"
+    for each in (name, f"{broker.queue}.other"):
+        broker.delete_at_close(queues=[each, f"{each}.dlq"])
+    consumer = task_consumer(
+        "default",
+        queue_name,
+        consumer_class=Consumer,
+        url=broker.url,
+        exchange=broker.exchange,
+        queue=name,
+    )
+    consumer.connect()
+    consumer.close()
+    return name
+
+
+@pytest.mark.amqp
+def test_outbox_worker_once_runs_the_queue_and_exits_0(broker, tmp_path):
+    _declare_task_queue(broker)
+    results = [make_widget.enqueue(f"c{i}") for i in range(5)]
+    _relay_to(broker)
+    child = _worker_child(broker, tmp_path, "--once", "--concurrency", "2", "--json")
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err.decode()
+    assert '"processed": 5' in out.decode()
+    for result in results:
+        result.refresh()
+        assert result.status == TaskResultStatus.SUCCESSFUL
+    assert Widget.objects.count() == 5
+
+
+def test_outbox_worker_refuses_a_queue_not_in_queues():
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match=r"not in TASKS\['default'\]\['QUEUES'\]") as caught:
+        call_command("outbox_worker", "--queue", "nope", "--once")
+    assert caught.value.returncode == 2
+
+
+@pytest.mark.amqp
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_worker_stopped_mid_task_the_task_completes_once_later(broker, tmp_path, how):
+    """kill -9 mid-task: its writes and its result roll back together and the message comes
+    back; SIGTERM: the task in hand is finished, then the worker exits 0."""
+    _declare_task_queue(broker)
+    marker = tmp_path / "running"
+    result = slow_widget.enqueue("k1", str(marker), 3.0)
+    _relay_to(broker)
+    child = _worker_child(broker, tmp_path)
+    try:
+        assert wait_for(marker.exists, timeout=60), child.stderr.read1().decode()  # type: ignore[union-attr]
+        if how == "kill":
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+            result.refresh()
+            assert result.status == TaskResultStatus.RUNNING  # the attempt began, never ended
+            assert not Widget.objects.exists()
+        else:
+            child.send_signal(signal.SIGTERM)
+            _out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err.decode()
+            result.refresh()
+            assert result.status == TaskResultStatus.SUCCESSFUL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    marker.unlink(missing_ok=True)
+    again = _worker_child(broker, tmp_path, "--once")
+    _out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err.decode()
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == "k1"
+    assert result.attempts == (2 if how == "kill" else 1)
+    assert Widget.objects.filter(code="k1").count() == 1
+
+
+# -- the admin --------------------------------------------------------------------------------
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_admin_lists_filters_and_requeues_a_failed_task(superuser_client):
+    from django.urls import reverse
+
+    ok = add.enqueue(1, 2)
+    bad = make_widget_then_fail.enqueue("a1")  # max_retries=1: FAILED after two attempts
+    _run_due()
+    _run_due()
+    bad.refresh()
+    assert bad.status == TaskResultStatus.FAILED
+    url = reverse("admin:django_outbox_outboxtaskresult_changelist")
+    page = superuser_client.get(url, {"status__exact": "FAILED"})
+    assert page.status_code == 200
+    assert bad.id in page.content.decode()
+    assert ok.id not in page.content.decode()
+    assert superuser_client.get(url, {"queue_name": "default"}).status_code == 200
+    change = reverse("admin:django_outbox_outboxtaskresult_change", args=[bad.id])
+    assert "ValueError" in superuser_client.get(change).content.decode()
+    response = superuser_client.post(
+        url,
+        {"action": "requeue", "_selected_action": [bad.id, ok.id]},
+        follow=True,
+    )
+    text = response.content.decode()
+    assert "1 failed task requeued." in text
+    assert "1 task was not FAILED" in text
+    bad.refresh()
+    assert bad.status == TaskResultStatus.READY
+    assert OutboxEvent.objects.filter(event_id=f"{bad.id}.3", status=Status.PENDING).exists()
+    (decision,) = _run_due()  # the requeued attempt runs (and fails again: it always does)
+    assert decision.action is Action.DEAD_LETTER
+    bad.refresh()
+    assert bad.attempts == 3
+    assert bad.status == TaskResultStatus.FAILED

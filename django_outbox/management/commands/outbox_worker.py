@@ -57,6 +57,9 @@ class Command(DatabaseCommand):
             "database connections (default 1).",
         )
         parser.add_argument(
+            "--exchange", default=None, help="Exchange to bind to (default OUTBOX_EXCHANGE)."
+        )
+        parser.add_argument(
             "--prefetch",
             type=positive_int,
             default=None,
@@ -97,6 +100,7 @@ class Command(DatabaseCommand):
         backend: str,
         queues: list[str] | None,
         concurrency: int,
+        exchange: str | None,
         prefetch: int | None,
         queue_type: str | None,
         once: bool,
@@ -113,6 +117,7 @@ class Command(DatabaseCommand):
                 queue_names=queues,
                 concurrency=concurrency,
                 consumer_class=transport_consumer(),
+                exchange=exchange,
                 prefetch=prefetch,
                 queue_type=queue_type,
             )
