@@ -61,6 +61,8 @@ class Codes:
     # OUTBOX_RETENTION_DAYS = 0 (the relay deletes confirmed rows):
     ORDERED_DELETE_ON_CONFIRM = "django_outbox.E040"
     NATS_STREAM = "django_outbox.E031"
+    # Redis Streams, reported by backends.redis.RedisBackend.check():
+    REDIS_SETTING = "django_outbox.E032"
     # Several databases:
     ROUTED_UNMIGRATED = "django_outbox.W001"
     UNKNOWN_ALIAS = "django_outbox.W002"
@@ -140,6 +142,7 @@ class Messages:
         "of its last SENT event (previous_sequence), which no longer exists, so consumers "
         "checking the order could not tell a missing event from none."
     )
+    REDIS_SETTING = "{name} is {value!r}: {problem}."
 
 
 class Hints:
@@ -231,6 +234,11 @@ class Hints:
         "Set OUTBOX_NATS_STREAM to a name without spaces, '.', '*', '>' or slashes (e.g. "
         "'OUTBOX'), OUTBOX_NATS_SUBJECTS to a list of subjects (e.g. ['outbox.>']) and "
         "OUTBOX_NATS_REPLICAS to 1, 3 or 5."
+    )
+    REDIS_SETTING = (
+        "Set OUTBOX_REDIS_STREAMS to a dict of routing key to stream name, "
+        "OUTBOX_REDIS_MAXLEN to None or a number of entries, "
+        "and OUTBOX_REDIS_VISIBILITY_TIMEOUT to seconds (e.g. 60)."
     )
 
 

@@ -263,6 +263,23 @@ class OutboxSettings:
         "longer than OUTBOX_LEASE_SECONDS.",
     )
 
+    # --- Redis Streams (redis:// and rediss:// broker URLs; docs/transports.md) ----------
+    REDIS_STREAMS: Setting[dict[str, str]] = Setting(
+        {},
+        "Map of routing key (the event_type unless OUTBOX_ROUTING_KEYS says otherwise) to "
+        "Redis stream; other keys go to '<OUTBOX_EXCHANGE>.<routing key>'.",
+    )
+    REDIS_MAXLEN: Setting[int | None] = Setting(
+        None,
+        "Approximate bound of each stream (XADD MAXLEN ~): older entries are trimmed, read "
+        "or not. None keeps every entry.",
+    )
+    REDIS_VISIBILITY_TIMEOUT: Setting[float] = Setting(
+        60.0,
+        "Seconds an entry delivered to a consumer stays pending before another consumer of "
+        "the group claims it (XAUTOCLAIM): a consumer that died leaves its entries for this long.",
+    )
+
     # --- compensation, dead letters, purge -----------------------------------------------
     COMPENSATE_STALE_AFTER: Setting[float] = Setting(
         600.0, "compensate_outbox takes only PENDING rows created at least this long ago (s)."

@@ -103,6 +103,11 @@ def is_reserved_header(name: str) -> bool:
 _BODY_ENCODER = DjangoJSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
+def encode_json(value: Any) -> str:
+    """``value`` as compact JSON, as a body is encoded (Decimal, datetime and UUID as text)."""
+    return _BODY_ENCODER.encode(value)
+
+
 def encode_body(event: OutboxEvent) -> bytes:
     return _BODY_ENCODER.encode(event.payload).encode()
 

@@ -2,7 +2,8 @@
 
 ``OUTBOX_BROKER_URL``'s scheme picks the transport: the relay's backend and the consumer's
 loop (``amqp://`` and ``amqps://``: RabbitMQ through pika; ``nats://`` and ``tls://``:
-NATS JetStream through nats-py). ``OUTBOX_BACKEND``, when set,
+NATS JetStream through nats-py; ``redis://`` and ``rediss://``: Redis Streams through
+redis-py). ``OUTBOX_BACKEND``, when set,
 still chooses the relay's backend (Celery, locmem, console, your own). A transport whose
 client library is an optional extra is imported only when it is used, and a missing
 library says which extra to install.
@@ -74,8 +75,16 @@ NATS = Transport(
     extra="nats",
     client="nats",
 )
+REDIS = Transport(
+    "redis",
+    ("redis", "rediss"),
+    backend="django_outbox.backends.redis.RedisBackend",
+    consumer="django_outbox.consumer.redis.Consumer",
+    extra="redis",
+    client="redis",
+)
 #: Every transport, the default (RabbitMQ) first.
-TRANSPORTS: tuple[Transport, ...] = (AMQP, NATS)
+TRANSPORTS: tuple[Transport, ...] = (AMQP, NATS, REDIS)
 
 
 class UnknownTransport(ValueError):

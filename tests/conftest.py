@@ -19,10 +19,12 @@ if TYPE_CHECKING:
 
     from tests.utils.nats import NatsBroker
     from tests.utils.packaging import Dist
+    from tests.utils.redis import RedisBroker
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 START_HINTS = {
     "rabbitmq": "start it with `rabbitmq-server -detached` (or set AMQP_URL)",
@@ -34,6 +36,10 @@ START_HINTS = {
         "start it with `start-stop-daemon --start --oknodo --background --exec "
         "/usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server` (or set "
         "NATS_URL)"
+    ),
+    "redis": (
+        "start it with `start-stop-daemon --start --oknodo --background --exec "
+        "/usr/bin/redis-server -- --bind 127.0.0.1 --port 6379` (or set REDIS_URL)"
     ),
     "mariadb": (
         "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`"
@@ -149,6 +155,31 @@ def nats_broker(nats_url: str) -> Iterator[NatsBroker]:
 def nats_proxied(nats_broker: NatsBroker) -> Iterator[tuple[TcpProxy, str]]:
     """A TcpProxy in front of NATS, and the URL that goes through it."""
     proxy, url = TcpProxy.for_url(nats_broker.url)
+    yield proxy, url
+    proxy.close()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    require_service("redis", REDIS_URL, 6379)
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_broker(redis_url: str) -> Iterator[RedisBroker]:
+    """This test's own streams (and dead-letter stream) on the real Redis, deleted
+    afterwards: other test runs on the same server use other names."""
+    from tests.utils.redis import RedisBroker
+
+    b = RedisBroker(redis_url)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def redis_proxied(redis_broker: RedisBroker) -> Iterator[tuple[TcpProxy, str]]:
+    """A TcpProxy in front of Redis, and the URL that goes through it."""
+    proxy, url = TcpProxy.for_url(redis_broker.url)
     yield proxy, url
     proxy.close()
 

@@ -76,6 +76,8 @@ LIBRARIES = {
     "kombu": {"_compat.celery"},
     # The nats extra: the relay backend and the consumer transport only.
     "nats": {"backends.nats", "consumer.nats"},
+    # The redis extra: the relay backend, the consumer transport and what they share.
+    "redis": {"backends.redis", "consumer.redis", "_compat.redis"},
     # The otel extra: emit(), the relay and the consumers call tracing, which alone imports it.
     "opentelemetry": {"tracing"},
 }

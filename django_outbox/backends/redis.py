@@ -1,0 +1,465 @@
+"""Redis Streams through redis-py: every event ``XADD``ed to the stream of its routing key,
+a row SENT only once Redis has answered that ``XADD`` with the entry's id.
+
+The relay's batches are pipelined on one connection: :meth:`RedisBackend.send` writes a
+batch's ``XADD`` commands in one piece and returns, :meth:`RedisBackend.wait` reads their
+answers, one per command, in order. Several batches are in flight at once, as with RabbitMQ;
+Redis answers the commands of a connection in the order it received them.
+
+What each answer means:
+
+* an entry id: sent (Redis has applied it; whether it survives a crash of Redis is its
+  persistence settings' business: docs/transports.md, "Redis Streams");
+* an error reply (``WRONGTYPE``: the key holds something else; ``OOM``: maxmemory reached):
+  NACKED with Redis's text, that row only;
+* ``READONLY``, ``LOADING``, ``MASTERDOWN`` and the like: the node cannot take writes now
+  (a replica, a restart): CONNECTION_LOST, not the event's fault; with several URLs the
+  relay moves on to the next node;
+* nothing within ``confirm_timeout``: TIMEOUT, and the connection is dropped (the answers
+  still to come could no longer be told apart);
+* the connection went away first: CONNECTION_LOST for every row whose answer was not read.
+
+An entry's fields (the layout a consumer in another language reads):
+
+================  ==================================================================
+``message_id``    the event_id
+``type``          the event_type
+``content_type``  the message format's (``application/json``; structured CloudEvents:
+                  ``application/cloudevents+json``)
+``headers``       the format's headers as one JSON object (native: aggregate_type, ...,
+                  the event's own headers, trace context among them; CloudEvents binary
+                  mode: ``ce-`` attributes, as the NATS and Kafka bindings name them)
+``body``          the message body (the payload as JSON; structured mode: the CloudEvent)
+================  ==================================================================
+
+Redis keeps no message id of its own: an event published twice (a relay killed between
+the answer and its settle) is two entries, and consumers de-duplicate by ``message_id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.core.checks import CheckMessage, Error
+
+from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
+from ..formats import NATS_BINDING, get_format
+from ..masking import mask_url, password_overruns
+from ..message import encode_json
+from ..transports import REDIS, scheme_of
+from ..worker import BrokerNodes
+from .base import (
+    BaseBackend,
+    BrokerUnavailable,
+    PublishResult,
+    Reason,
+    Route,
+    RouteCheck,
+    describe_error,
+)
+
+if REDIS.missing():
+    raise ImportError(REDIS.missing())
+
+import redis.exceptions
+
+from .._compat.redis import (
+    CONNECTION_ERRORS,
+    describe,
+    open_connection,
+    read_answer,
+    stream_for,
+    write_commands,
+)
+
+if TYPE_CHECKING:
+    from ..models import OutboxEvent
+
+__all__ = ["RedisBackend"]
+
+logger = logging.getLogger("django_outbox.backends.redis")
+
+#: Error replies that say the node cannot take writes now, whatever the command: the
+#: event is not at fault (a replica, a node loading its data, a cluster without quorum).
+_NODE_ERRORS = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "BUSY")
+
+
+def _settings_problems() -> list[CheckMessage]:
+    """E032: OUTBOX_REDIS_* settings the transport cannot work with."""
+    errors = []
+    streams = outbox_settings.REDIS_STREAMS
+    if not isinstance(streams, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and v for k, v in streams.items()
+    ):
+        errors.append(_redis_error("OUTBOX_REDIS_STREAMS", streams, "not a map of names"))
+    maxlen = outbox_settings.REDIS_MAXLEN
+    if maxlen is not None and not (type(maxlen) is int and maxlen > 0):
+        errors.append(_redis_error("OUTBOX_REDIS_MAXLEN", maxlen, "not None or a positive int"))
+    timeout = outbox_settings.REDIS_VISIBILITY_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        errors.append(
+            _redis_error("OUTBOX_REDIS_VISIBILITY_TIMEOUT", timeout, "not a positive number")
+        )
+    return errors
+
+
+def _redis_error(name: str, value: Any, problem: str) -> CheckMessage:
+    from ..checks import Codes, Hints, Messages
+
+    return Error(
+        Messages.REDIS_SETTING.format(name=name, value=value, problem=problem),
+        hint=Hints.REDIS_SETTING,
+        id=Codes.REDIS_SETTING,
+    )
+
+
+class RedisBackend(BaseBackend):
+    """Append outbox events to Redis streams, each answered by Redis.
+
+    Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting: ``broker_url``
+    (``OUTBOX_BROKER_URL``: one ``redis://`` URL, or several nodes: a replica answers
+    ``READONLY`` and the relay moves on to the next), ``streams``
+    (``OUTBOX_REDIS_STREAMS``), ``maxlen`` (``OUTBOX_REDIS_MAXLEN``), ``confirm_timeout``
+    (``OUTBOX_CONFIRM_TIMEOUT``), ``connect_timeout`` (``OUTBOX_CONNECT_TIMEOUT``); plus the
+    base class's ``exchange`` (the streams' prefix), ``routing_keys`` and
+    ``routing_key_func``.
+    """
+
+    url_setting = "OUTBOX_BROKER_URL"
+
+    def __init__(
+        self,
+        *,
+        broker_url: str | Sequence[str] | None = None,
+        streams: dict[str, str] | None = None,
+        maxlen: int | None = None,
+        confirm_timeout: float | None = None,
+        connect_timeout: float | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        # Binary-mode CloudEvents carry their attributes as ce- headers, datacontenttype
+        # among them, as the bindings of transports without AMQP properties do.
+        self.message_format = get_format(binding=NATS_BINDING)
+        self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
+        self.nodes = BrokerNodes(self.broker_url)
+        self.streams = dict(outbox_settings.REDIS_STREAMS if streams is None else streams)
+        self.maxlen = outbox_settings.REDIS_MAXLEN if maxlen is None else maxlen
+        self.confirm_timeout = float(
+            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
+        )
+        self.connect_timeout = float(
+            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+        )
+        self._connection: Any = None
+        self._inflight: deque[_Batch] = deque()
+        self._lost = ""  # why the connection went away under batches in flight
+        # The XADD's first words per routing key: XADD <stream> [MAXLEN ~ n] *.
+        self._heads: dict[str, list[Any]] = {}
+
+    @property
+    def masked_url(self) -> str:
+        return self.nodes.masked
+
+    def __repr__(self) -> str:
+        return f"<RedisBackend {self.nodes}>"
+
+    # -- configuration checks --------------------------------------------------------------
+    @classmethod
+    def check(cls, **kwargs: Any) -> list[CheckMessage]:
+        from ..checks import Codes, Hints, broker_url_missing, problem
+
+        options = outbox_settings.BACKEND_OPTIONS or {}
+        value = options.get("broker_url") or outbox_settings.BROKER_URL
+        try:
+            urls = broker_urls(value)
+        except TypeError as exc:
+            return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
+        if not urls:
+            return [broker_url_missing()]
+        errors: list[CheckMessage] = []
+        for url in urls:
+            if password_overruns(url):
+                errors.append(
+                    problem("BROKER_URL_ENCODING", which=f"OUTBOX_BROKER_URL {mask_url(url)!r}")
+                )
+            elif scheme_of(url) not in REDIS.schemes:
+                errors.append(
+                    Error(
+                        f"OUTBOX_BROKER_URL {mask_url(url)!r} is not a redis:// or rediss:// URL.",
+                        hint="Use the URL of a Redis server, e.g. "
+                        "'redis://:password@redis:6379/0' (rediss:// for TLS).",
+                        id=Codes.BROKER_URL,
+                    )
+                )
+        return errors + _settings_problems()
+
+    # -- connection ------------------------------------------------------------------------
+    def open(self) -> None:
+        """Connect to the first node that answers and takes writes, from the current one
+        on. Raises BrokerUnavailable."""
+        if self._connection is not None:
+            return
+        if not self.nodes:
+            raise BrokerUnavailable(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
+        problems: list[str] = []
+
+        def attempt() -> None:
+            node = self.nodes.name()
+            try:
+                self._connection = self._connect(self.nodes.current)
+            except _NodeProblem as exc:
+                problems.append(f"{node}: {exc}")
+                raise
+            logger.info("connected to Redis at %s", node)
+
+        def on_next(node: str, problem: Exception) -> None:
+            logger.warning(
+                "cannot use Redis at %s: %s; trying the next node, %s",
+                node,
+                problem,
+                self.nodes.name(),
+            )
+
+        try:
+            self.nodes.connect(attempt, errors=_NodeProblem, on_next=on_next)
+        except _NodeProblem:
+            where = "Redis at " if len(problems) == 1 else f"any Redis node of {self.url_setting}: "
+            raise BrokerUnavailable(
+                f"cannot connect to {where}{'; '.join(problems)}. Check that the server runs "
+                f"and {self.url_setting} (host, port, password, database) is right; the relay "
+                "retries with backoff."
+            ) from None
+        self._lost = ""
+
+    def _connect(self, url: str) -> Any:
+        try:
+            connection = open_connection(
+                url, connect_timeout=self.connect_timeout, timeout=self.confirm_timeout
+            )
+        except (redis.exceptions.RedisError, OSError, ValueError) as exc:
+            raise _NodeProblem(describe(exc)) from None
+        try:
+            # A replica (after a failover, the old primary) would refuse every XADD.
+            write_commands(connection, [["ROLE"]])
+            role = read_answer(connection)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            connection.disconnect()
+            raise _NodeProblem(describe(exc)) from None
+        kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+        if kind != "master":
+            connection.disconnect()
+            raise _NodeProblem(f"the node is a {kind}, which takes no writes")
+        return connection
+
+    def next_node(self) -> bool:
+        lost = self.nodes.name()
+        at_once = self.nodes.failed()
+        if at_once:
+            logger.warning("Redis at %s is lost; failing over to %s", lost, self.nodes.name())
+        return at_once
+
+    def close(self) -> None:
+        self.abandon()
+        self._drop()
+
+    def _drop(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                connection.disconnect()
+            except Exception:  # closing a broken connection: nothing is waited for on it
+                logger.debug("error closing the Redis connection", exc_info=True)
+
+    def _lose(self, reason: str) -> None:
+        """The connection is gone (or out of step): every batch in flight is lost."""
+        self._lost = self._lost or reason
+        for batch in self._inflight:
+            batch.lost = batch.lost or reason
+        self._drop()
+        logger.warning("%s", reason)
+
+    def check_routes(self, routing_keys: Sequence[str]) -> RouteCheck:
+        """For ``manage.py outbox_check``: connect, and say for each routing key which
+        stream takes its events and which consumer groups read it. Redis has no routing:
+        an entry no group reads yet stays in the stream for a group created later."""
+        self.open()
+        assert self._connection is not None
+        connection = self._connection
+        routes = []
+        try:
+            for key in routing_keys:
+                stream = stream_for(self.streams, self.exchange, key)
+                write_commands(connection, [["XINFO", "GROUPS", stream]])
+                try:
+                    groups = read_answer(connection)
+                except redis.exceptions.ResponseError:  # no such stream yet
+                    groups = []
+                names = [_group_name(group) for group in groups]
+                where = f"stream {stream!r}"
+                if names:
+                    where += f" (read by group {', '.join(names)})"
+                else:
+                    where += " (no consumer group yet: entries wait in the stream)"
+                routes.append(Route(key, (where,)))
+        except CONNECTION_ERRORS as exc:
+            raise BrokerUnavailable(f"Redis at {self.masked_url}: {describe(exc)}") from exc
+        finally:
+            self.close()
+        return RouteCheck(f"Redis at {self.masked_url}", routes)
+
+    # -- publishing ------------------------------------------------------------------------
+    def send(self, events: Sequence[OutboxEvent]) -> None:
+        """Write the batch's ``XADD`` commands in one piece; :meth:`wait` reads the answers.
+        Batches sent earlier may still be in flight."""
+        if self._connection is None and not self._inflight:
+            self.open()
+        batch = _Batch(events)
+        self._inflight.append(batch)
+        if self._connection is None or self._lost:
+            # Gone under an earlier batch: nothing more is written until wait() has collected
+            # every batch and the next send connects again.
+            batch.lost = self._lost or "the connection to Redis was lost"
+            return
+        commands = self._commands(batch)
+        if not commands:
+            return
+        connection = self._connection
+        try:
+            write_commands(connection, commands)
+        except CONNECTION_ERRORS as exc:
+            self._lose(f"connection to Redis at {self.masked_url} lost: {describe(exc)}")
+
+    def wait(self) -> list[PublishResult]:
+        """Read the answers of the oldest batch in flight, one per ``XADD``, until each is
+        read or the confirm timeout (counted from its :meth:`send`) has passed."""
+        if not self._inflight:
+            return []
+        batch = self._inflight.popleft()
+        results = batch.results
+        for index, result in enumerate(results):
+            if result is not None:
+                continue
+            if batch.lost:
+                results[index] = PublishResult.failed(Reason.CONNECTION_LOST, batch.lost)
+                continue
+            if not batch.timed_out and time.monotonic() - batch.sent_at > self.confirm_timeout:
+                batch.timed_out = True
+                self._lose(self._no_answer())
+            if batch.timed_out:
+                results[index] = _timed_out(self.confirm_timeout)
+                continue
+            assert self._connection is not None
+            try:
+                read_answer(self._connection)
+            except redis.exceptions.ResponseError as exc:
+                results[index] = _refused(exc)
+            except redis.exceptions.TimeoutError:
+                # The answers still to come could no longer be told apart: the connection
+                # goes, with every later batch on it.
+                batch.timed_out = True
+                self._lose(self._no_answer())
+                results[index] = _timed_out(self.confirm_timeout)
+            except CONNECTION_ERRORS as exc:
+                batch.lost = f"connection to Redis at {self.masked_url} lost: {describe(exc)}"
+                self._lose(batch.lost)
+                results[index] = PublishResult.failed(Reason.CONNECTION_LOST, batch.lost)
+            else:
+                results[index] = PublishResult.sent()
+        return results  # type: ignore[return-value]  # every slot is filled above
+
+    def _no_answer(self) -> str:
+        return (
+            f"no answer from Redis at {self.masked_url} within {self.confirm_timeout:g} s; "
+            "the connection is dropped"
+        )
+
+    def abandon(self) -> None:
+        # Answers still to come for them would be read as a later batch's: the connection
+        # goes with them.
+        if self._inflight:
+            self._inflight.clear()
+            self._drop()
+
+    def _commands(self, batch: _Batch) -> list[list[Any]]:
+        """One ``XADD`` per row; a row that cannot be one is failed in place."""
+        commands = []
+        results = batch.results
+        message_format = self.message_format
+        heads = self._heads
+        for index, event in enumerate(batch.events):
+            try:
+                key = self.routing_key(event)
+                head = heads.get(key)
+                if head is None:
+                    head = heads[key] = self._head(key)
+                commands.append(
+                    [
+                        *head,
+                        b"message_id",
+                        event.event_id,
+                        b"type",
+                        event.event_type,
+                        b"content_type",
+                        message_format.content_type,
+                        b"headers",
+                        encode_json(message_format.encode_headers(event)),
+                        b"body",
+                        message_format.encode_body(event),
+                    ]
+                )
+            except Exception as exc:
+                results[index] = PublishResult.failed(
+                    Reason.SERIALISATION, f"cannot build the message: {describe_error(exc)}"
+                )
+        return commands
+
+    def _head(self, key: str) -> list[Any]:
+        stream = stream_for(self.streams, self.exchange, key)
+        if not key or not stream:
+            raise ValueError(f"routing key {key!r} names no stream")
+        if self.maxlen:
+            return [b"XADD", stream, b"MAXLEN", b"~", self.maxlen, b"*"]
+        return [b"XADD", stream, b"*"]
+
+
+def _refused(exc: redis.exceptions.ResponseError) -> PublishResult:
+    text = str(exc)
+    if text.startswith(_NODE_ERRORS):
+        return PublishResult.failed(Reason.CONNECTION_LOST, f"Redis cannot take writes: {text}")
+    return PublishResult.failed(Reason.NACKED, f"Redis refused the XADD: {text}")
+
+
+def _timed_out(timeout: float) -> PublishResult:
+    return PublishResult.failed(
+        Reason.TIMEOUT, f"no answer from Redis within {timeout:g} s (OUTBOX_CONFIRM_TIMEOUT)"
+    )
+
+
+def _group_name(group: Any) -> str:
+    """A group's name from an ``XINFO GROUPS`` entry (a flat list of fields, RESP2)."""
+    if isinstance(group, dict):
+        name = group.get(b"name", group.get("name", b""))
+    else:
+        fields = dict(zip(group[::2], group[1::2], strict=False))
+        name = fields.get(b"name", fields.get("name", b""))
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+class _NodeProblem(Exception):
+    """One Redis node could not be used; the text says why."""
+
+
+class _Batch:
+    """One batch handed to the connection and not yet collected by ``wait()``."""
+
+    def __init__(self, events: Sequence[OutboxEvent]) -> None:
+        self.events = events
+        self.results: list[PublishResult | None] = [None] * len(events)
+        self.lost = ""
+        self.timed_out = False
+        self.sent_at = time.monotonic()
