@@ -428,10 +428,12 @@ class RedisBackend(BaseBackend):
 
 
 def _refused(exc: redis.exceptions.ResponseError) -> PublishResult:
-    text = str(exc)
-    if text.startswith(_NODE_ERRORS):
-        return PublishResult.failed(Reason.CONNECTION_LOST, f"Redis cannot take writes: {text}")
-    return PublishResult.failed(Reason.NACKED, f"Redis refused the XADD: {text}")
+    # redis-py raises READONLY as ReadOnlyError without the code in its text.
+    if isinstance(exc, redis.exceptions.ReadOnlyError) or str(exc).startswith(_NODE_ERRORS):
+        return PublishResult.failed(
+            Reason.CONNECTION_LOST, f"Redis cannot take writes now: {describe_error(exc)}"
+        )
+    return PublishResult.failed(Reason.NACKED, f"Redis refused the XADD: {exc!s}")
 
 
 def _timed_out(timeout: float) -> PublishResult:
