@@ -226,6 +226,40 @@ def test_demo_on_the_test_database_and_nats(nats_url, db_vendor, message_format)
         broker.close()
 
 
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("message_format", ["native", "cloudevents"])
+def test_demo_on_the_test_database_and_redis(redis_url, db_vendor, message_format):
+    """The same story on Redis Streams (BROKER_URL=redis://...): Redis keeps no message id,
+    so the killed batch is added again and suppressed by the consumer, as on RabbitMQ; the
+    crashed consumer's entries are claimed after the visibility timeout."""
+    env = django_env(
+        BROKER_URL=redis_url,
+        DJANGO_SETTINGS_MODULE="config.settings",
+        OUTBOX_MESSAGE_FORMAT=message_format,
+    )
+    env.pop("AMQP_URL", None)
+    done = run_demo("--orders", "40", "--duplicates", "3", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    prose = " ".join(out.split())
+    assert f"Redis Streams at {redis_url}" in prose
+    assert figure(out, "message formats") == f"{message_format}={figure(out, 'messages handled')}"
+    assert figure(out, "orders created") == "40"
+    assert figure(out, "points rows") == "40"
+    assert figure(out, "lost") == "0"
+    assert figure(out, "PENDING / SENT / DEAD") == "0 / 40 / 0"
+    # The run's streams are gone.
+    stream = re.search(r"stream (demo-[0-9a-f]+\.ORDER_CREATED)", prose).group(1)
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.exists(stream) == 0
+    finally:
+        client.close()
+
+
 # -- the pieces ----------------------------------------------------------------------------
 def good_figures(**changes) -> Figures:
     values = dict(

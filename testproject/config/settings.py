@@ -4,11 +4,14 @@ Everything comes from the environment (django-environ), with embedded defaults t
 no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 
 - ``DATABASE_URL``: e.g. ``postgres://127.0.0.1/test`` or ``mysql://root@127.0.0.1/test``
-- ``BROKER_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F`` or
-  ``nats://127.0.0.1:4222``; when set, the relay and the consumer use the broker its scheme
-  names (RabbitMQ, NATS JetStream), otherwise the in-memory (locmem) one. ``AMQP_URL`` is
-  read when it is unset (its earlier name).
+- ``BROKER_URL``: e.g. ``amqp://guest:guest@127.0.0.1:5672/%2F``,
+  ``nats://127.0.0.1:4222`` or ``redis://127.0.0.1:6379/0``; when set, the relay and the
+  consumer use the broker its scheme names (RabbitMQ, NATS JetStream, Redis Streams),
+  otherwise the in-memory (locmem) one. ``AMQP_URL`` is read when it is unset (its earlier
+  name).
 - ``OUTBOX_NATS_STREAM``: the JetStream stream (``manage.py demo`` sets its own).
+- ``OUTBOX_REDIS_VISIBILITY_TIMEOUT``: seconds before a Redis consumer claims what a dead
+  one left pending (``manage.py demo`` sets its own).
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
 - ``OUTBOX_MESSAGE_FORMAT``: ``native`` (the default), ``cloudevents`` or
   ``cloudevents-structured``: how the relay publishes (the consumer reads all three);
@@ -33,6 +36,7 @@ env = environ.Env(
     BROKER_URL=(str, ""),
     AMQP_URL=(str, ""),
     OUTBOX_NATS_STREAM=(str, "OUTBOX"),
+    OUTBOX_REDIS_VISIBILITY_TIMEOUT=(float, 60.0),
     OUTBOX_ORDERED=(bool, False),
     OUTBOX_MESSAGE_FORMAT=(str, "native"),
     OUTBOX_CLOUDEVENTS_SOURCE=(str, "/testproject"),
@@ -125,6 +129,7 @@ OUTBOX_BACKEND = env("OUTBOX_BACKEND") or (
     "" if BROKER_URL else "django_outbox.backends.locmem.LocmemBackend"
 )
 OUTBOX_NATS_STREAM = env("OUTBOX_NATS_STREAM")
+OUTBOX_REDIS_VISIBILITY_TIMEOUT = env("OUTBOX_REDIS_VISIBILITY_TIMEOUT")
 OUTBOX_ORDERED = env("OUTBOX_ORDERED")
 OUTBOX_MESSAGE_FORMAT = env("OUTBOX_MESSAGE_FORMAT")
 OUTBOX_CLOUDEVENTS_SOURCE = env("OUTBOX_CLOUDEVENTS_SOURCE")

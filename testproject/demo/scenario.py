@@ -15,7 +15,8 @@ Everything that can go wrong in the article goes wrong once, on purpose, for rea
 6. The consumer reads again: the killed batch comes back as duplicates.
 
 Then :func:`reconcile` compares orders, outbox rows and points rows. With ``BROKER_URL``
-the broker is RabbitMQ (an exchange and queue named for this run) or NATS JetStream (a
+the broker is RabbitMQ (an exchange and queue named for this run), Redis Streams (streams
+and a consumer group named for this run) or NATS JetStream (a
 stream and durable consumer named for this run; JetStream drops the killed batch's second
 copy, so step 6 finds no duplicate), deleted at the end, and the consumer is a
 ``consume_outbox`` child process; without it,
@@ -605,6 +606,97 @@ class NatsTransport:
         self._loop.stop()
 
 
+class RedisTransport:
+    """Redis Streams, on streams and a consumer group of this run; the consumer is
+    ``consume_outbox``."""
+
+    lease_seconds = 6.0
+    confirm_timeout = 5.0
+    # Redis keeps no message id: the killed batch is added again.
+    stores_republished = True
+    # OUTBOX_REDIS_VISIBILITY_TIMEOUT here (60 s in production): what a crashed consumer
+    # held is claimed by the next one once it has been idle this long.
+    visibility_timeout = 2.0
+
+    def __init__(
+        self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
+    ) -> None:
+        from django_outbox.consumer.redis import Consumer
+
+        self.url = url
+        self.dispatcher = dispatcher
+        self.spawn = spawn
+        self.exchange = f"demo-{run_id}"
+        self.queue = f"demo.{run_id}.points"
+        # The group is created by the consumer's own code before anything is published.
+        self._consumer = Consumer(
+            handlers=[AWARD],
+            url=url,
+            queue=self.queue,
+            exchange=self.exchange,
+            visibility_timeout=self.visibility_timeout,
+        )
+        self.description = (
+            f"Redis Streams at {mask_url(url)} (stream {', '.join(self._consumer.streams)}, "
+            f"consumer group {self.queue}, dead letters {self.queue}.dlq; deleted at the end)"
+        )
+        try:
+            self._consumer.connect()
+        except Exception as exc:
+            raise DemoError(
+                f"Cannot use Redis at {mask_url(url)} ({type(exc).__name__}: {exc}). Check "
+                "BROKER_URL, or unset it to run on the in-process broker."
+            ) from exc
+        self._client = self._consumer._connected()
+
+    def relay_env(self) -> dict[str, str]:
+        return {
+            backends.INNER_ENV: "django_outbox.backends.redis.RedisBackend",
+            backends.EXCHANGE_ENV: self.exchange,
+        }
+
+    def waiting(self) -> int:
+        waiting = 0
+        for stream in self._consumer.streams:
+            for group in self._client.xinfo_groups(stream):
+                if _text(group["name"]) == self.queue:
+                    waiting += int(group["pending"]) + int(group.get("lag") or 0)
+        return waiting
+
+    def crash_consumer(self, *, lose: int, unacked: int) -> tuple[Tally, int]:
+        lost = 0
+        tally = Tally()
+        if not lose + unacked:
+            return tally, lost
+        self._consumer.prefetch = lose + unacked
+        held = self._consumer._read()
+        for entry in held[:lose]:
+            self._client.xack(entry.stream, self.queue, entry.id)  # acknowledged, never handled
+            lost += 1
+        for entry in held[lose:]:
+            receive(self.dispatcher, self._consumer.delivery(entry), tally)  # committed, not acked
+        # The consumer is gone with those entries pending: the next one claims them once
+        # they have been idle for the visibility timeout.
+        time.sleep(self.visibility_timeout + 0.5)
+        return tally, lost
+
+    def consume(self) -> Tally:
+        env = {"OUTBOX_REDIS_VISIBILITY_TIMEOUT": str(self.visibility_timeout)}
+        return consume_outbox(self.spawn, self.queue, self.exchange, env)
+
+    def close(self) -> None:
+        keys = [*self._consumer.streams, f"{self.queue}.dlq"]
+        try:
+            self._client.delete(*keys)
+        except Exception:
+            logger.warning("could not delete the demo's streams %s; delete them by hand", keys)
+        self._consumer.close()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 # -- the story ---------------------------------------------------------------------------
 class PaymentDeclined(Exception):
     """Raised after create_order() returned, to roll the whole transaction back."""
@@ -695,6 +787,8 @@ class Demo:
         transport: Transport
         if self.amqp_url.lower().startswith(("nats://", "tls://")):
             transport = NatsTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
+        elif self.amqp_url.lower().startswith(("redis://", "rediss://")):
+            transport = RedisTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
         elif self.amqp_url:
             transport = RabbitTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
         else:
