@@ -29,6 +29,8 @@ EXTRA_RUNS = [
     ("raw_pika", ["--coalesce"]),
     ("raw_nats", []),
     ("relay_bench", ["--transport", "nats"]),
+    ("raw_redis", []),
+    ("relay_bench", ["--transport", "redis"]),
 ]
 
 

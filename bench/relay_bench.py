@@ -23,13 +23,15 @@ own exchange and queue (deleted afterwards):
    index growth and WAL bytes/records/full-page images (``pg_stat_*``); on MariaDB the
    redo log.
 
-    python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3] [--transport nats]
+    python -m bench.relay_bench [--smoke] [--count 20000] [--repeat 3] [--transport nats|redis]
         [--database postgres|mariadb] [--rate 500] [--seconds 10] [--producers 4] [--batch-size N]
         [--profile relay.prof]
 
 ``--transport nats`` runs the same on NATS JetStream (``--url``, default ``$NATS_URL``):
 the baseline is nats-py's best asynchronous JetStream publish awaiting every ack
-(``bench.raw_nats``), the relay publishes into a throwaway stream.
+(``bench.raw_nats``), the relay publishes into a throwaway stream. ``--transport redis``
+on Redis Streams (``--url``, default ``$REDIS_URL``): the baseline is redis-py's best
+pipelined ``XADD`` (``bench.raw_redis``), the relay adds to throwaway streams.
 
 With ``--repeat R`` every measurement runs R times; each run's lines are printed and the
 medians last. The server comes from ``--database-url``, else ``PG_URL``/``MARIADB_URL``,
@@ -66,6 +68,7 @@ from bench.common import (
 )
 from bench.raw_nats import DEFAULT_NATS_URL, bench_stream, best_raw_nats_rate, purge_stream
 from bench.raw_pika import raw_pika_rate
+from bench.raw_redis import DEFAULT_REDIS_URL, bench_streams, best_raw_redis_rate, purge_streams
 from django_outbox.masking import mask_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +155,8 @@ def setup_django(
     env = dict(os.environ)
     if transport == "nats":
         env.update(BENCH_TRANSPORT="nats", BENCH_BROKER_URL=amqp_url, BENCH_NATS_STREAM=exchange)
+    if transport == "redis":
+        env.update(BENCH_TRANSPORT="redis", BENCH_BROKER_URL=amqp_url)
     env.update(
         DJANGO_SETTINGS_MODULE="bench.settings",
         DATABASE_URL=database_url,
@@ -286,6 +291,9 @@ def clear_outbox(amqp_url: str, queue: str, transport: str = "amqp") -> None:
         cursor.execute(f"TRUNCATE TABLE {connection.ops.quote_name(OutboxEvent._meta.db_table)}")
     if transport == "nats":
         purge_stream(amqp_url, queue)
+        return
+    if transport == "redis":
+        purge_streams(amqp_url, queue)
         return
     broker = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
@@ -430,7 +438,11 @@ class WriteMeter:
 
 
 BROKER_PROCESS = ["-x", "beam.smp"]  # a local RabbitMQ
-BROKER_PROCESSES = {"amqp": BROKER_PROCESS, "nats": ["-x", "nats-server"]}
+BROKER_PROCESSES = {
+    "amqp": BROKER_PROCESS,
+    "nats": ["-x", "nats-server"],
+    "redis": ["-x", "redis-server"],
+}
 DATABASE_PROCESS = {"postgres": ["-x", "postgres"], "mariadb": ["-x", "mariadbd"]}
 
 
@@ -545,22 +557,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", default=None, help="run the relay under cProfile, to this file")
     p.add_argument(
         "--transport",
-        choices=["amqp", "nats"],
+        choices=["amqp", "nats", "redis"],
         default="amqp",
-        help="the broker: RabbitMQ (default) or NATS JetStream (--url default $NATS_URL)",
+        help="the broker: RabbitMQ (default), NATS JetStream (--url default $NATS_URL) or "
+        "Redis Streams (--url default $REDIS_URL)",
     )
     args = p.parse_args(argv)
     nats = args.transport == "nats"
+    on_redis = args.transport == "redis"
     if nats and args.url == DEFAULT_URL:
         args.url = DEFAULT_NATS_URL
+    if on_redis and args.url == DEFAULT_URL:
+        args.url = DEFAULT_REDIS_URL
     broker_process = BROKER_PROCESSES[args.transport]
 
     def raw_rate() -> float:
         if nats:
             return best_raw_nats_rate(count, url=args.url)
+        if on_redis:
+            return best_raw_redis_rate(count, url=args.url)
         return raw_pika_rate(count, url=args.url)
 
-    baseline_name = "raw nats-py (best window)" if nats else "raw pika (window 1000)"
+    baseline_name = {
+        "nats": "raw nats-py (best window)",
+        "redis": "raw redis-py (best pipeline depth)",
+    }.get(args.transport, "raw pika (window 1000)")
     count = count_from(args)
     seconds = SMOKE_SECONDS if args.smoke else args.seconds
     server = server_url(args.database, args.database_url)
@@ -581,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     broker = (
         bench_stream(args.url, prefix="BENCH_RELAY")
         if nats
+        else bench_streams(args.url, prefix="bench-relay")
+        if on_redis
         else bench_exchange(args.url, prefix="bench.relay")
     )
     with bench_database(server) as database_url, broker as exchange:

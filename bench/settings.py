@@ -21,6 +21,10 @@ if os.environ.get("BENCH_TRANSPORT") == "nats":
     OUTBOX_BROKER_URL = os.environ["BENCH_BROKER_URL"]
     OUTBOX_NATS_STREAM = os.environ["BENCH_NATS_STREAM"]
     OUTBOX_EXCHANGE = OUTBOX_NATS_STREAM.lower()
+# relay_bench --transport redis: the benchmark's throwaway streams' prefix (BENCH_EXCHANGE).
+if os.environ.get("BENCH_TRANSPORT") == "redis":
+    OUTBOX_BACKEND = ""
+    OUTBOX_BROKER_URL = os.environ["BENCH_BROKER_URL"]
 # purge_bench --isolation: the MariaDB isolation level of the bench and its child processes.
 if os.environ.get("BENCH_ISOLATION") and DATABASES["default"]["ENGINE"].endswith("mysql"):  # noqa: F405
     DATABASES["default"]["OPTIONS"]["isolation_level"] = os.environ["BENCH_ISOLATION"]  # noqa: F405
