@@ -4,14 +4,20 @@ installed release: the relay's pipelining across send() and wait() rests on it."
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import redis.exceptions
 from redis.connection import Connection, ConnectionPool
 
-from django_outbox._compat.redis import open_connection, read_answer, write_commands
+from django_outbox._compat.redis import PINNED, open_connection, read_answer, write_commands
 
 pytestmark = pytest.mark.once
+
+
+def test_the_pin_is_the_packaging_one():
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    assert f'redis = ["{PINNED}"]' in pyproject.read_text()
 
 
 def test_the_connection_methods_the_backend_drives_are_there():

@@ -23,6 +23,7 @@ from ..exceptions import error_text
 
 __all__ = [
     "CONNECTION_ERRORS",
+    "PINNED",
     "connection_pool",
     "describe",
     "open_connection",
@@ -31,6 +32,10 @@ __all__ = [
     "stream_name",
     "write_commands",
 ]
+
+#: The redis-py releases this module was checked with (the oldest and the newest: 5.0.0,
+#: 8.2.0); the redis extra of pyproject.toml.
+PINNED = "redis>=5.0"
 
 #: What redis-py raises when a connection is lost, refused or times out.
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
