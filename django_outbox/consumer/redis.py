@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +44,8 @@ from .. import tracing
 from ..conf import outbox_settings
 from ..message import TYPE_HEADER, Delivery
 from ..transports import REDIS
-from .base import BaseConsumer, CannotConnect, ImproperlyConfiguredConsumer
+from .base import BaseConsumer, ImproperlyConfiguredConsumer
 from .dispatch import REASON_HEADER, Action, Decision
-from .handlers import IdempotentHandler
 
 if REDIS.missing():
     raise ImportError(REDIS.missing())
@@ -110,36 +109,19 @@ class Consumer(BaseConsumer[Entry]):
     def __init__(
         self,
         *,
-        handlers: Iterable[str | type[IdempotentHandler]] | None = None,
-        url: str | Sequence[str] | None = None,
-        queue: str | None = None,
-        exchange: str | None = None,
-        prefetch: int | None = None,
-        max_retries: int | None = None,
         queue_type: str | None = None,
-        retry_delay: float = 1.0,
-        reconnect_max: float = 30.0,
-        idle_timeout: float = 1.0,
         streams: dict[str, str] | None = None,
         visibility_timeout: float | None = None,
         connect_timeout: float | None = None,
+        **options: Any,
     ) -> None:
+        """``options``: :class:`BaseConsumer`'s."""
         if queue_type is not None:
             raise ImproperlyConfiguredConsumer(
                 f"--queue-type {queue_type} is RabbitMQ's: a Redis consumer is a consumer "
                 "group on a stream."
             )
-        super().__init__(
-            handlers=handlers,
-            url=url,
-            queue=queue,
-            max_retries=max_retries,
-            retry_delay=retry_delay,
-            reconnect_max=reconnect_max,
-            idle_timeout=idle_timeout,
-        )
-        self.exchange = outbox_settings.EXCHANGE if exchange is None else exchange
-        self.prefetch = prefetch or outbox_settings.CONSUMER_PREFETCH
+        super().__init__(**options)
         self.group = self.queue
         self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         mapping = outbox_settings.REDIS_STREAMS if streams is None else streams
@@ -171,27 +153,12 @@ class Consumer(BaseConsumer[Entry]):
     def connect(self) -> None:
         """Connect to the first node that answers, from the current one on, and create the
         group on each stream where it is missing."""
-        failures: list[tuple[str, str]] = []
-
-        def attempt() -> None:
-            try:
-                self._connect(self.nodes.current)
-            except (OSError, redis.exceptions.RedisError, ValueError) as exc:
-                failures.append((self.nodes.name(), describe(exc)))
-                where = "Redis at " if len(failures) == 1 else "any Redis node: "
-                raise CannotConnect(
-                    f"cannot connect to {where}{'; '.join(f'{n}: {f}' for n, f in failures)}"
-                ) from exc
-
-        def on_next(node: str, exc: Exception) -> None:
-            logger.warning(
-                "cannot connect to Redis at %s (%s); trying the next node, %s",
-                node,
-                failures[-1][1],
-                self.nodes.name(),
-            )
-
-        self.nodes.connect(attempt, errors=CannotConnect, on_next=on_next)
+        self.connect_first_node(
+            "Redis",
+            self._connect,
+            (OSError, redis.exceptions.RedisError, ValueError),
+            lambda exc, _url: (describe(exc), False),
+        )
         self._node = self.nodes.name()
         logger.info(
             "consuming %s as group %s (consumer %s, dead letters to %s) at %s",
