@@ -10,7 +10,7 @@ import difflib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
@@ -25,6 +25,9 @@ from .conf import (
     outbox_settings,
 )
 from .exceptions import ImproperlyConfiguredBackend
+
+if TYPE_CHECKING:
+    from .transports import Transport
 
 
 class Codes:
@@ -329,6 +332,27 @@ def relay_broker_urls() -> list[str] | CheckMessage:
     except TypeError as exc:
         return Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)
     return urls or broker_url_missing()
+
+
+def broker_url_problems(transport: Transport, hint: str) -> list[CheckMessage]:
+    """What the check of a broker backend with plain URLs (NATS, Redis) starts with: the
+    relay's broker URLs (:func:`relay_broker_urls`), each with its password encoded and a
+    scheme of ``transport``'s. ``hint``: what such a URL looks like."""
+    from .masking import mask_url, password_overruns
+    from .transports import scheme_of
+
+    urls = relay_broker_urls()
+    if not isinstance(urls, list):
+        return [urls]
+    errors: list[CheckMessage] = []
+    for url in urls:
+        which = f"OUTBOX_BROKER_URL {mask_url(url)!r}"
+        if password_overruns(url):
+            errors.append(problem("BROKER_URL_ENCODING", which=which))
+        elif scheme_of(url) not in transport.schemes:
+            schemes = " or ".join(f"{s}://" for s in transport.schemes)
+            errors.append(Error(f"{which} is not a {schemes} URL.", hint=hint, id=Codes.BROKER_URL))
+    return errors
 
 
 @register()

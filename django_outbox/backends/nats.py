@@ -45,9 +45,9 @@ from django.core.checks import CheckMessage, Error
 from .._compat.nats import LoopThread, take_replies, write_frames
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..formats import NATS_BINDING, get_format
-from ..masking import mask_url, mask_urls_in, password_overruns
+from ..masking import mask_urls_in
 from ..message import TYPE_HEADER, encode_text_headers, escape_header_value
-from ..transports import NATS, scheme_of
+from ..transports import NATS
 from ..worker import BrokerNodes
 from .base import (
     BaseBackend,
@@ -266,27 +266,16 @@ class NatsBackend(BaseBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, problem, relay_broker_urls
+        from ..checks import broker_url_problems
 
-        urls = relay_broker_urls()
-        if not isinstance(urls, list):
-            return [urls]
-        errors: list[CheckMessage] = []
-        for url in urls:
-            if password_overruns(url):
-                errors.append(
-                    problem("BROKER_URL_ENCODING", which=f"OUTBOX_BROKER_URL {mask_url(url)!r}")
-                )
-            elif scheme_of(url) not in NATS.schemes:
-                errors.append(
-                    Error(
-                        f"OUTBOX_BROKER_URL {mask_url(url)!r} is not a nats:// or tls:// URL.",
-                        hint="Use the URL of a NATS server with JetStream, e.g. "
-                        "'nats://user:password@nats:4222' (tls:// for TLS).",
-                        id=Codes.BROKER_URL,
-                    )
-                )
-        return errors + _stream_problems()
+        return (
+            broker_url_problems(
+                NATS,
+                "Use the URL of a NATS server with JetStream, e.g. "
+                "'nats://user:password@nats:4222' (tls:// for TLS).",
+            )
+            + _stream_problems()
+        )
 
     # -- connection ------------------------------------------------------------------------
     def open(self) -> None:

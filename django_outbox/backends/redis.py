@@ -46,11 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.checks import CheckMessage, Error
 
-from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, broker_urls, outbox_settings
+from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..formats import NATS_BINDING, get_format
-from ..masking import mask_url, password_overruns
 from ..message import encode_json
-from ..transports import REDIS, scheme_of
+from ..transports import REDIS
 from ..worker import BrokerNodes
 from .base import (
     BaseBackend,
@@ -171,32 +170,16 @@ class RedisBackend(BaseBackend):
     # -- configuration checks --------------------------------------------------------------
     @classmethod
     def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import Codes, Hints, broker_url_missing, problem
+        from ..checks import broker_url_problems
 
-        options = outbox_settings.BACKEND_OPTIONS or {}
-        value = options.get("broker_url") or outbox_settings.BROKER_URL
-        try:
-            urls = broker_urls(value)
-        except TypeError as exc:
-            return [Error(str(exc), hint=Hints.BROKER_URL_FORM, id=Codes.BROKER_URL_FORM)]
-        if not urls:
-            return [broker_url_missing()]
-        errors: list[CheckMessage] = []
-        for url in urls:
-            if password_overruns(url):
-                errors.append(
-                    problem("BROKER_URL_ENCODING", which=f"OUTBOX_BROKER_URL {mask_url(url)!r}")
-                )
-            elif scheme_of(url) not in REDIS.schemes:
-                errors.append(
-                    Error(
-                        f"OUTBOX_BROKER_URL {mask_url(url)!r} is not a redis:// or rediss:// URL.",
-                        hint="Use the URL of a Redis server, e.g. "
-                        "'redis://:password@redis:6379/0' (rediss:// for TLS).",
-                        id=Codes.BROKER_URL,
-                    )
-                )
-        return errors + _settings_problems()
+        return (
+            broker_url_problems(
+                REDIS,
+                "Use the URL of a Redis server, e.g. 'redis://:password@redis:6379/0' "
+                "(rediss:// for TLS).",
+            )
+            + _settings_problems()
+        )
 
     # -- connection ------------------------------------------------------------------------
     def open(self) -> None:
