@@ -99,12 +99,16 @@ def enqueue(task: Any, count: int) -> list[str]:
     return ids
 
 
+#: outbox_worker --concurrency (main()'s --concurrency).
+CONCURRENCY = 1
+
+
 def start_children(backend: str, env: dict[str, str], exchange: str, url: str) -> list[Child]:
     if backend == "db":
         return [
             Child(env, "db_worker", "--backend", "db", "--interval", "0.1", "--no-startup-delay")
         ]
-    worker = Child(env, "outbox_worker")
+    worker = Child(env, "outbox_worker", "--concurrency", str(CONCURRENCY))
     wait_until(lambda: _queue_exists(url, f"{exchange}.tasks.default"), "the worker's queue", 60)
     return [worker, Child(env, "publish_outbox")]
 
@@ -197,7 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rate", type=float, default=100.0)
     p.add_argument("--latency-count", type=int, default=500)
     p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="outbox_worker --concurrency (threads)"
+    )
     args = p.parse_args(argv)
+    global CONCURRENCY
+    CONCURRENCY = args.concurrency
     if args.smoke:
         args.count, args.rate, args.latency_count = (
             SMOKE["count"],
