@@ -353,22 +353,50 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
     ) -> list[OutboxEvent]:
         """Lease up to ``limit`` rows, oldest first: unordered rows and ordered heads (with
         their ``previous_sequence``). In the caller's transaction."""
-        candidates = ordering.heads_only(self, ordered, dead_head)
-        if connections[self.db].vendor == "postgresql":
-            rows = self._lease_returning(candidates, limit, lease_seconds, token)
+        vendor = connections[self.db].vendor
+        if vendor == "postgresql":
+            rows = self._lease_returning(self, limit, lease_seconds, token, ordered, dead_head)
         else:
-            locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
-            query = locked.values_list(*CLAIM_FIELDS).query
-            rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
-            if rows:
-                self._lease([row.pk for row in rows], lease_seconds, token)
+            rows = []
+            if vendor == "mysql" and ordering.ordered_q(ordered) is not None:
+                # The oldest rows first, as on PostgreSQL (_lease_returning); then, if the
+                # batch has room left, every head (rows just leased are no longer due).
+                window = ordering.window_only(
+                    self, ordered, dead_head, limit * ordering.HEADS_WINDOW
+                )
+                rows = self._lock_and_lease(window, limit, lease_seconds, token)
+            if len(rows) < limit:
+                rows += self._lock_and_lease(
+                    ordering.heads_only(self, ordered, dead_head),
+                    limit - len(rows),
+                    lease_seconds,
+                    token,
+                )
+                rows.sort(key=lambda row: row.pk)
         if rows and ordered:
             base = self.model._default_manager.using(self.db).all()
             ordering.set_previous_sequences(base, rows, ordered)
         return rows
 
-    def _lease_returning(
+    def _lock_and_lease(
         self, candidates: OutboxEventQuerySet, limit: int, lease_seconds: float, token: str
+    ) -> list[OutboxEvent]:
+        """Lock, read and lease up to ``limit`` of ``candidates``, oldest first (not PG)."""
+        locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
+        query = locked.values_list(*CLAIM_FIELDS).query
+        rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
+        if rows:
+            self._lease([row.pk for row in rows], lease_seconds, token)
+        return rows
+
+    def _lease_returning(
+        self,
+        candidates: OutboxEventQuerySet,
+        limit: int,
+        lease_seconds: float,
+        token: str,
+        ordered: bool | Sequence[str] = False,
+        dead_head: str | None = None,
     ) -> list[OutboxEvent]:
         """PostgreSQL: lock, lease and read the rows in one statement (UPDATE ... RETURNING),
         one round trip instead of two and no list of ids sent back.
@@ -377,7 +405,12 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         0007_scheduled_events), and the ``limit`` lowest ids of both are leased:
 
         - rows that were never scheduled nor requeued (``due_at`` NULL), by id on
-          ``django_outbox_claim_now_idx``: nearly all of them are due;
+          ``django_outbox_claim_now_idx``: nearly all of them are due. In ordered mode
+          this set is two: the unordered rows (without an aggregate: on
+          ``django_outbox_unordered_idx``), and the aggregates' heads
+          (:func:`~django_outbox.ordering.heads`, one entry per aggregate of
+          ``django_outbox_heads_idx``, migration 0012), so that neither walks past the
+          ordered backlog queued behind the heads;
         - the others, by due time on ``django_outbox_scheduled_idx``, a range that ends at
           now, so events scheduled for later are never read.
 
@@ -386,26 +419,63 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         from the SENT rows' times, so it chooses that walk): 34 ms a claim, idle or not, with
         100,000 of them waiting, against 0.3 ms this way (bench/scheduled_bench.py).
         """
-        rows = self._fetch_rows(*self._lease_sql(candidates, limit, lease_seconds, token))
+        rows = self._fetch_rows(
+            *self._lease_sql(candidates, limit, lease_seconds, token, ordered, dead_head, True)
+        )
+        if ordering.ordered_q(ordered) is not None and len(rows) < limit:
+            # The oldest rows held fewer heads than the batch has room for (a hot
+            # aggregate's backlog in front, or little due): look aggregate by aggregate.
+            # The rows just leased are no longer due, so none is taken twice.
+            rows += self._fetch_rows(
+                *self._lease_sql(
+                    candidates, limit - len(rows), lease_seconds, token, ordered, dead_head
+                )
+            )
         rows.sort(key=lambda row: row.pk)
         return rows
 
     def _lease_sql(
-        self, candidates: OutboxEventQuerySet, limit: int, lease_seconds: float, token: str
+        self,
+        candidates: OutboxEventQuerySet,
+        limit: int,
+        lease_seconds: float,
+        token: str,
+        ordered: bool | Sequence[str] = False,
+        dead_head: str | None = None,
+        window: bool = False,
     ) -> tuple[str, list[Any]]:
-        """The statement of :meth:`_lease_returning` and its parameters."""
+        """The statement of :meth:`_lease_returning` and its parameters; ``window``: the
+        heads only among the oldest rows (:func:`~django_outbox.ordering.window_heads`)."""
         connection = connections[self.db]
         quote = connection.ops.quote_name
         table = quote(self.model._meta.db_table)
         locked = candidates.select_for_update(skip_locked=True)
-        now_rows = locked.filter(due_at__isnull=True).order_by("id").values("id")[:limit]
-        due_rows = (
+        q = ordering.ordered_q(ordered) if ordered else None
+        now_sets = [locked]
+        if q is not None:
+            base = self.model._default_manager.using(self.db).all()
+            heads = (
+                ordering.window_heads(base, ordered, dead_head, limit * ordering.HEADS_WINDOW)
+                if window
+                else ordering.heads(base, ordered, dead_head)
+            )
+            now_sets = [locked.filter(~q), locked.filter(id__in=heads)]
+            locked = ordering.heads_only(locked, ordered, dead_head)
+        branches = [
+            each.filter(due_at__isnull=True).order_by("id").values("id")[:limit]
+            for each in now_sets
+        ]
+        branches.append(
             locked.filter(due_at__isnull=False)
             .order_by("next_retry_time", "id")
             .values("id")[:limit]
         )
-        now_sql, now_params = now_rows.query.get_compiler(using=self.db).as_sql()
-        due_sql, due_params = due_rows.query.get_compiler(using=self.db).as_sql()
+        selects: list[str] = []
+        params: list[Any] = []
+        for branch in branches:
+            sql, branch_params = branch.query.get_compiler(using=self.db).as_sql()
+            selects.append(f"SELECT {quote('id')} FROM ({sql}) b{len(selects)}")
+            params.extend(branch_params)
         columns = ", ".join(quote(name) for name in CLAIM_FIELDS)
         # statement_timestamp(): the clock DbNow() reads on PostgreSQL, as every lease does.
         # Rows locked by a branch and not among the lowest ids are left as they were; their
@@ -413,10 +483,10 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         sql = (
             f"UPDATE {table} SET {quote('leased_until')} = statement_timestamp() + %s, "
             f"{quote('lease_token')} = %s, {quote('updated_at')} = statement_timestamp() "
-            f"WHERE {quote('id')} IN (SELECT {quote('id')} FROM ({now_sql}) n UNION ALL "
-            f"SELECT {quote('id')} FROM ({due_sql}) d ORDER BY 1 LIMIT %s) RETURNING {columns}"
+            f"WHERE {quote('id')} IN ({' UNION ALL '.join(selects)} ORDER BY 1 LIMIT %s) "
+            f"RETURNING {columns}"
         )
-        return sql, [_seconds(lease_seconds), token, *now_params, *due_params, limit]
+        return sql, [_seconds(lease_seconds), token, *params, limit]
 
     def _fetch_rows(self, sql: str, params: Sequence[Any]) -> list[OutboxEvent]:
         """Run ``sql``, which selects ``CLAIM_FIELDS`` in order, and build the rows.

@@ -38,12 +38,13 @@ def test_relay_index_and_unique_constraint_exist_in_the_database():
     assert unique["unique"] and unique["columns"] == ["event_id"]
 
 
-def claim_plan(*, analyze: bool = False) -> str:
+def claim_plan(*, analyze: bool = False, ordered: bool = False, window: bool = False) -> str:
     """PostgreSQL's plan of the relay's claim statement (executed and rolled back when
-    ``analyze``), on the due rows, 100 at a time."""
+    ``analyze``), on the due rows, 100 at a time; ``ordered``: the first (``window``) or
+    the second statement of an ordered claim."""
     events = OutboxEvent.objects.all()
     with transaction.atomic(), connection.cursor() as cursor:
-        sql, params = events._lease_sql(events.due(), 100, 60, "plan")
+        sql, params = events._lease_sql(events.due(), 100, 60, "plan", ordered, None, window)
         cursor.execute(f"EXPLAIN {'(ANALYZE) ' if analyze else ''}{sql}", params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
         transaction.set_rollback(True)
@@ -78,17 +79,27 @@ def test_claim_indexes_hold_the_unsent_rows_where_partial_indexes_exist():
         "django_outbox_claim_idx",
         "django_outbox_claim_now_idx",
         "django_outbox_scheduled_idx",
+        "django_outbox_heads_idx",
+        "django_outbox_unordered_idx",
     )
     if not connection.features.supports_partial_indexes:
         assert not set(names) & set(constraints)  # MySQL/MariaDB: none
         return
     if connection.vendor == "sqlite":  # 0005's index; its claim is one query
         assert constraints["django_outbox_claim_idx"]["columns"] == ["id"]
+        assert "django_outbox_heads_idx" not in constraints
         return
     # PostgreSQL: 0007_scheduled_events replaced 0005's index by one per set the claim reads.
     assert "django_outbox_claim_idx" not in constraints
     assert constraints["django_outbox_claim_now_idx"]["columns"] == ["id"]
     assert constraints["django_outbox_scheduled_idx"]["columns"] == ["next_retry_time"]
+    # 0012: ordered heads aggregate by aggregate, and the unordered rows apart.
+    assert constraints["django_outbox_heads_idx"]["columns"] == [
+        "aggregate_type",
+        "aggregate_id",
+        "id",
+    ]
+    assert constraints["django_outbox_unordered_idx"]["columns"] == ["id"]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -126,6 +137,35 @@ def test_claim_does_not_read_the_scheduled_events_that_are_not_due():
     assert sum(removed) < 100, plan
     _token, claimed = OutboxEvent.objects.due().claim(100, lease_seconds=60)
     assert len(claimed) == 20
+
+
+def rows_read(plan: str) -> int:
+    """Rows the scans of an EXPLAIN ANALYZE plan returned, over all their loops."""
+    return sum(
+        int(rows) * int(loops)
+        for rows, loops in re.findall(r"Scan .*actual time=\S+ rows=(\d+) loops=(\d+)", plan)
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ordered_claim_does_not_read_the_queue_behind_the_heads():
+    """A hot aggregate's 3,000 queued events in front of 20 other aggregates' heads: an
+    ordered claim reads its window of the oldest rows, then one index entry per aggregate
+    (django_outbox_heads_idx, migration 0012), never the queue."""
+    if connection.vendor != "postgresql":
+        pytest.skip("EXPLAIN ANALYZE output checked on PostgreSQL")
+    make_events(*[("O", "hot")] * 3000, age=5)
+    make_events(*[("O", str(n)) for n in range(20)], age=5)
+    analyze()
+    window = claim_plan(analyze=True, ordered=True, window=True)
+    assert "Seq Scan" not in window, window
+    # The window (100 x HEADS_WINDOW = 1,000 rows) and one entry of each one's aggregate.
+    assert rows_read(window) < 2500, window
+    heads = claim_plan(analyze=True, ordered=True)
+    assert "django_outbox_heads_idx" in heads and "Seq Scan" not in heads, heads
+    assert rows_read(heads) < 200, heads
+    _token, claimed = OutboxEvent.objects.due().claim(100, lease_seconds=60, ordered=True, run=1)
+    assert len(claimed) == 21
 
 
 def test_status_numbers_match_the_article():

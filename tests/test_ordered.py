@@ -9,6 +9,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from django_outbox import ordering
 from django_outbox.backends import locmem
 from django_outbox.backends.base import Reason
 from django_outbox.db import db_now
@@ -107,11 +108,50 @@ def test_claim_is_still_few_statements():
     with CaptureQueriesContext(connection) as ctx:
         claim_ids()
     statements = [q["sql"] for q in ctx.captured_queries if "outbox" in q["sql"]]
-    # select ... for update skip locked, the lease update, the heads' previous_sequence;
-    # PostgreSQL locks and leases in one UPDATE ... RETURNING.
-    assert len(statements) == (2 if connection.vendor == "postgresql" else 3), statements
+    # select ... for update skip locked, the lease update, the heads' previous_sequence.
+    # PostgreSQL locks and leases in one UPDATE ... RETURNING, on the oldest rows first,
+    # then (the batch has room left) again, looking for heads aggregate by aggregate;
+    # MariaDB looks at the oldest rows first too, then (room left) at every head.
+    expected = {"postgresql": 3, "mysql": 4}.get(connection.vendor, 3)
+    assert len(statements) == expected, statements
     assert "SKIP LOCKED" in statements[0].upper() or connection.vendor == "sqlite"
-    assert "GROUP BY" in statements[0].upper()
+    if connection.vendor == "postgresql":
+        assert "WITH RECURSIVE" in statements[1].upper()
+        assert all("GROUP BY" not in sql.upper() for sql in statements[:2])
+    elif connection.vendor == "mysql":
+        assert "GROUP BY" not in statements[0].upper()
+        assert "GROUP BY" in statements[2].upper()
+    else:
+        assert "GROUP BY" in statements[0].upper()
+
+
+def test_heads_behind_a_long_queue_of_one_aggregate_are_claimed(monkeypatch):
+    """The claim looks at the oldest rows first (ordering.HEADS_WINDOW per event of the
+    batch), then aggregate by aggregate: a head behind a hot aggregate's queue, longer than
+    that, is found in the same claim."""
+    monkeypatch.setattr(ordering, "HEADS_WINDOW", 2)
+    queue = rows(*[("O", "hot")] * 10)
+    behind, unordered = rows(("O", "b"), ("O", ""))
+    assert claim_ids(limit=3) == [queue[0].pk, behind.pk, unordered.pk]
+    assert claim_ids() == []
+
+
+def test_behind_a_long_queue_dead_heads_and_a_list_of_types_still_hold(monkeypatch):
+    monkeypatch.setattr(ordering, "HEADS_WINDOW", 1)
+    queue = rows(*[("O", "hot")] * 5)
+    dead, after, x1, x2 = rows(("O", "b"), ("O", "b"), ("X", "c"), ("X", "c"))
+    OutboxEvent.objects.filter(pk=dead.pk).update(status=Status.DEAD)
+    assert claim_ids(limit=4) == [queue[0].pk, x1.pk]
+    expire_leases()
+    assert claim_ids(limit=4, dead_head="skip") == [queue[0].pk, after.pk, x1.pk]
+    expire_leases()
+    # Only aggregate type O is ordered: X's events are not held back by each other.
+    assert claim_ids(limit=5, ordered=["O"], dead_head="skip") == [
+        queue[0].pk,
+        after.pk,
+        x1.pk,
+        x2.pk,
+    ]
 
 
 def test_blocked_aggregates_lists_dead_heads_with_waiting_count():
