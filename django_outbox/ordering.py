@@ -209,7 +209,19 @@ def window_heads(
         f"WHERE {status} = 0 AND {quote('due_at')} IS NULL AND {a} <> ''{only} "
         f"ORDER BY {pk} LIMIT %s) w WHERE w.id = ({first})"
     )
-    return RawSQL(sql, [*params, int(window), *params_p])
+    return _once(base, sql, [*params, int(window), *params_p])
+
+
+def _once(base: OutboxEventQuerySet, sql: str, params: list[Any]) -> RawSQL:
+    """``sql``, a list of ids for ``id__in``, computed once per statement on PostgreSQL.
+
+    As an array (an InitPlan), not a subquery the planner may run again for every candidate
+    row: with statistics from an emptier table (a backlog written since the last ANALYZE)
+    it chose a nested loop that ran the search once per PENDING row, for minutes.
+    """
+    if connections[base.db].vendor == "postgresql":
+        sql = f"SELECT unnest(ARRAY({sql}))"
+    return RawSQL(sql, params)
 
 
 def _heads_skip_scan(base: OutboxEventQuerySet, ordered: Ordered, policy: str | None) -> RawSQL:
@@ -237,10 +249,11 @@ def _heads_skip_scan(base: OutboxEventQuerySet, ordered: Ordered, policy: str | 
     )
     params: list[Any] = []
     if ordered is True and Status.DEAD in blocking_statuses(policy):
-        return RawSQL(walk + "SELECT head FROM agg", params)
+        return _once(base, walk + "SELECT head FROM agg", params)
     statuses = ", ".join(str(int(s)) for s in blocking_statuses(policy))
     only, params = _only(ordered, quote)
-    return RawSQL(
+    return _once(
+        base,
         walk + f"SELECT h.id FROM agg CROSS JOIN LATERAL (SELECT {pk} AS id FROM {table} "
         f"WHERE {unsent} AND {t} = agg.t AND {a} = agg.a AND {pk} >= agg.head "
         f"AND {status} IN ({statuses}){only} ORDER BY {pk} LIMIT 1) h",
