@@ -71,7 +71,7 @@ def drop(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_outbox", "0010_lease_token_fixed_width"),
+        ("django_outbox", "0011_outboxtaskresult"),
     ]
 
     operations = [migrations.RunPython(create, drop)]
