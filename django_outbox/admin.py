@@ -51,7 +51,8 @@ from .dashboard import (
 )
 from .db import DbNow
 from .models import OutboxEvent, Status, outbox_db
-from .querysets import OutboxEventQuerySet, scheduled_q
+from .querysets import OutboxEventQuerySet
+from .schedule import scheduled_q
 from .stats import format_age
 
 #: last_error is cut to this many characters in the changelist; the detail page shows it all.

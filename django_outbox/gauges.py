@@ -20,7 +20,7 @@ from django.db.models import Count, Min, Q
 from .conf import outbox_settings
 from .db import db_now, django_datetime
 from .models import OutboxEvent, Status, outbox_db
-from .querysets import due_since, scheduled_q
+from .schedule import due_since, scheduled_q
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ claim's lease token through :meth:`OutboxEventQuerySet.held_by`: a relay that ou
 lease changes nothing that another relay has claimed or settled since.
 
 ``emit()`` makes a row due at once, or *scheduled*: due at ``deliver_at`` or after ``delay``
-(``due_at``, see :func:`due_time`), and not claimable before.
+(``due_at``, see :func:`~django_outbox.schedule.due_time`), and not claimable before.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections, models, transaction
-from django.db.models.functions import Coalesce, Greatest
 
 from . import ordering
 from ._compat.django import build_rows, delete_rows
 from .db import DbNow, read_committed_atomic
 from .exceptions import error_text
+from .schedule import as_timedelta, due_since, due_time, scheduled_q
 from .states import Status
 
 if TYPE_CHECKING:
@@ -80,77 +80,6 @@ def _columns(model: type[models.Model]) -> tuple[tuple[tuple[str, Any], ...], fr
     return tuple((field.attname, field) for field in fields), frozenset(
         field.attname for field in fields
     )
-
-
-def _seconds(value: float | timedelta) -> timedelta:
-    return value if isinstance(value, timedelta) else timedelta(seconds=value)
-
-
-# -- scheduled events ------------------------------------------------------------------------
-def due_time(deliver_at: datetime | None = None, delay: timedelta | None = None) -> Any:
-    """The SQL of when a new row becomes due, by the database clock at its INSERT: ``delay``
-    after it, or ``deliver_at`` (at the earliest then: a time in the past is due now).
-
-    An expression, not a value, so a block of events is still one INSERT and the worker's
-    clock decides nothing. None when the row is due at once.
-    """
-    if delay is not None:
-        return _DueTime(DbNow() + delay)
-    if deliver_at is not None:
-        return _DueTime(
-            Greatest(
-                models.Value(deliver_at, output_field=models.DateTimeField()),
-                DbNow(),
-                output_field=models.DateTimeField(),
-            )
-        )
-    return None
-
-
-class _DueTime(models.Expression):
-    """:func:`due_time`'s expression, resolved and compiled once per connection however
-    many columns of the INSERT use it (``next_retry_time`` and ``due_at``).
-
-    Django resolves and compiles an expression given as a field's value once per row and
-    column, and resolving date arithmetic is most of the cost of inserting a scheduled
-    row: without this, a block of 1,000 scheduled events took four times as long to build
-    its INSERT as one of unscheduled events. It refers to no column, so there is nothing
-    to resolve against the INSERT's query.
-    """
-
-    output_field = models.DateTimeField()
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        self.inner = inner
-        self._compiled: dict[str, tuple[str, Any]] = {}
-
-    def resolve_expression(self, *args: Any, **kwargs: Any) -> _DueTime:
-        return self
-
-    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, Any]:
-        if connection.alias not in self._compiled:
-            inner = self.inner.resolve_expression(compiler.query, allow_joins=False)
-            self._compiled[connection.alias] = compiler.compile(inner)
-        return self._compiled[connection.alias]
-
-
-def scheduled_q(now: Any = None) -> models.Q:
-    """PENDING and scheduled for later than ``now`` (default: the database clock).
-
-    A row in retry backoff is not scheduled (its ``due_at`` has passed, only its
-    ``next_retry_time`` is ahead): it is a delivery that failed, and counts as PENDING.
-    """
-    return models.Q(status=Status.PENDING, due_at__gt=DbNow() if now is None else now)
-
-
-def due_since() -> Coalesce:
-    """When a row became due: ``due_at`` (scheduled, or requeued), else ``created_at``.
-
-    What staleness and the oldest PENDING age count from, so an event scheduled a week
-    ahead is not a week-old incident, while a row failing since it became due still ages.
-    """
-    return Coalesce("due_at", "created_at")
 
 
 class _AnyOf(models.Lookup):
@@ -278,7 +207,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         return (
             self.pending()
             .alias(became_due=due_since())
-            .filter(became_due__lte=DbNow() - _seconds(older_than))
+            .filter(became_due__lte=DbNow() - as_timedelta(older_than))
         )
 
     def scheduled(self, now: Any = None) -> OutboxEventQuerySet:
@@ -287,7 +216,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         return self.filter(scheduled_q(now))
 
     def created_since(self, seconds: float | timedelta) -> OutboxEventQuerySet:
-        return self.filter(created_at__gte=DbNow() - _seconds(seconds))
+        return self.filter(created_at__gte=DbNow() - as_timedelta(seconds))
 
     def for_aggregate(self, aggregate_type: str, aggregate_id: str) -> OutboxEventQuerySet:
         return self.filter(aggregate_type=aggregate_type, aggregate_id=str(aggregate_id))
@@ -486,7 +415,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
             f"WHERE {quote('id')} IN ({' UNION ALL '.join(selects)} ORDER BY 1 LIMIT %s) "
             f"RETURNING {columns}"
         )
-        return sql, [_seconds(lease_seconds), token, *params, limit]
+        return sql, [as_timedelta(lease_seconds), token, *params, limit]
 
     def _fetch_rows(self, sql: str, params: Sequence[Any]) -> list[OutboxEvent]:
         """Run ``sql``, which selects ``CLAIM_FIELDS`` in order, and build the rows.
@@ -505,7 +434,7 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
     def _lease(self, ids: Sequence[int], lease_seconds: float, token: str) -> None:
         """Lease the rows ``ids``, locked by the caller's transaction, under ``token``."""
         self.model._default_manager.using(self.db).with_ids(ids).update(
-            leased_until=DbNow() + _seconds(lease_seconds),
+            leased_until=DbNow() + as_timedelta(lease_seconds),
             lease_token=token,
             updated_at=DbNow(),
         )

@@ -33,7 +33,8 @@ from django.utils import timezone
 from . import ordering
 from .db import DbNow, db_now
 from .models import OutboxEvent, Status, outbox_db
-from .querysets import OutboxEventQuerySet, scheduled_q
+from .querysets import OutboxEventQuerySet
+from .schedule import scheduled_q
 
 #: Rows per batch unless told otherwise: one UPDATE of this many ids per transaction.
 DEFAULT_BATCH_SIZE = 500
