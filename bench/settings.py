@@ -25,6 +25,11 @@ if os.environ.get("BENCH_TRANSPORT") == "nats":
 if os.environ.get("BENCH_TRANSPORT") == "redis":
     OUTBOX_BACKEND = ""
     OUTBOX_BROKER_URL = os.environ["BENCH_BROKER_URL"]
+# BENCH_NULL_BROKER=1 (with any relay_bench --transport): the relay child publishes to the
+# in-memory backend, which confirms at once: the relay's and the database's own ceiling on
+# this machine, against the same run's raw client baseline.
+if os.environ.get("BENCH_NULL_BROKER"):
+    OUTBOX_BACKEND = "django_outbox.backends.locmem.LocmemBackend"
 # purge_bench --isolation: the MariaDB isolation level of the bench and its child processes.
 if os.environ.get("BENCH_ISOLATION") and DATABASES["default"]["ENGINE"].endswith("mysql"):  # noqa: F405
     DATABASES["default"]["OPTIONS"]["isolation_level"] = os.environ["BENCH_ISOLATION"]  # noqa: F405
