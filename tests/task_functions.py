@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,12 @@ except ImportError:  # Django 5.2: the backport
 
 from tests.testapp.models import Widget
 
+#: Whether ``@task`` hands options of the backend's own to its task class (Django 6.1+):
+#: ``@task(max_retries=N)``. Before, a task has the backend's OPTIONS["MAX_RETRIES"].
+TASK_OPTIONS = any(
+    p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(task).parameters.values()
+)
+
 
 @task()
 def add(a: int, b: int) -> int:
@@ -30,7 +37,7 @@ def make_widget(code: str, name: str = "") -> str:
     return code
 
 
-@task(max_retries=1)
+@task(**({"max_retries": 1} if TASK_OPTIONS else {}))
 def make_widget_then_fail(code: str) -> None:
     """Writes, then raises: the write must roll back with the failed attempt."""
     Widget.objects.create(code=code)

@@ -30,6 +30,7 @@ from django_outbox.states import Status
 from django_outbox.tasks_backend import OutboxTaskBackend
 from django_outbox.tasks_worker import TaskDispatcher, Worker, task_handler
 from tests.task_functions import (
+    TASK_OPTIONS,
     add,
     async_add,
     fail_always,
@@ -129,6 +130,7 @@ def test_a_non_json_argument_is_refused_and_nothing_written():
     assert not OutboxEvent.objects.exists()
 
 
+@pytest.mark.skipif(not TASK_OPTIONS, reason="@task(max_retries=) needs Django 6.1+")
 def test_max_retries_and_options_are_checked():
     from django.core.exceptions import ImproperlyConfigured
 
@@ -225,6 +227,7 @@ def test_a_raising_task_is_retried_then_failed_with_its_error():
     assert _run_due() == []
 
 
+@pytest.mark.skipif(not TASK_OPTIONS, reason="@task(max_retries=) needs Django 6.1+")
 @override_settings(OUTBOX_RETRY_SCHEDULE=[0])
 def test_a_failed_attempts_writes_roll_back_and_the_tasks_own_limit_applies():
     result = make_widget_then_fail.enqueue("w2")  # max_retries=1 on the task
@@ -434,6 +437,7 @@ def test_worker_stopped_mid_task_the_task_completes_once_later(broker, tmp_path,
 
 
 # -- the admin --------------------------------------------------------------------------------
+@pytest.mark.skipif(not TASK_OPTIONS, reason="@task(max_retries=) needs Django 6.1+")
 @override_settings(OUTBOX_RETRY_SCHEDULE=[0])
 def test_admin_lists_filters_and_requeues_a_failed_task(superuser_client):
     from django.urls import reverse
