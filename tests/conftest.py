@@ -67,11 +67,33 @@ def require_service(name: str, url: str, default_port: int) -> None:
     pytest.skip(message)
 
 
+DATABASE_FIXTURES = frozenset(
+    {"db", "transactional_db", "django_db_reset_sequences", "django_db_serialized_rollback"}
+)
+
+
+def uses_database(item: pytest.Item) -> bool:
+    """Whether a test asks pytest-django for the database (which it must, to touch it), or
+    depends on its engine all the same (marked ``engine``)."""
+    if item.get_closest_marker("django_db") or item.get_closest_marker("engine"):
+        return True
+    return not DATABASE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run database-independent tests (marked ``once``) only in the SQLite pass."""
-    if os.environ.get("DATABASE_URL", "sqlite").startswith("sqlite"):
-        return
-    keep = [item for item in items if item.get_closest_marker("once") is None]
+    """Each database pass runs what can differ on its database (scripts/test runs SQLite,
+    PostgreSQL and MariaDB in turn): the database-independent tests (marked ``once``, or
+    asking for no database) in the SQLite pass only, and the broker's side of a scenario
+    (marked ``transport``) in the PostgreSQL pass only."""
+    scheme = os.environ.get("DATABASE_URL", "sqlite").split(":", 1)[0]
+    sqlite, postgres = scheme.startswith("sqlite"), scheme.startswith("postgres")
+
+    def here(item: pytest.Item) -> bool:
+        if item.get_closest_marker("transport") is not None and not postgres:
+            return False
+        return sqlite or (item.get_closest_marker("once") is None and uses_database(item))
+
+    keep = [item for item in items if here(item)]
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep

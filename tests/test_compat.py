@@ -564,6 +564,7 @@ def test_a_forgotten_connection_is_in_the_state_a_new_one_starts_from() -> None:
         )
 
 
+@pytest.mark.engine
 def test_the_database_backend_can_drop_its_connection_without_a_word() -> None:
     """forget_connection() calls the backend's private _close() on a connection Django
     believes inside a transaction (where close() only flags it)."""

@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.amqp, pytest.mark.django_db(transaction=True)]
 
 FAILING = "tests.consumer_handlers.FailingHandler"
 BLOCKING = "tests.consumer_handlers.BlockingPointsHandler"
+# The queue type is the broker's side: the default on every database, the other on one.
+QUEUE_TYPES = ["quorum", pytest.param("classic", marks=pytest.mark.transport)]
 
 
 def test_same_message_twice_one_row_two_acks(broker):
@@ -45,7 +47,7 @@ def test_same_message_twice_one_row_two_acks(broker):
     assert broker.count(broker.dlq) == 0
 
 
-@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
 def test_failing_handler_rolls_back_is_retried_then_dead_lettered(broker, queue_type):
     event = unsaved_event()
     result = consume(broker, event, handlers=[FAILING], queue_type=queue_type, max_retries=2)
@@ -118,7 +120,7 @@ ISSUE_19_MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
 def test_malformed_messages_go_to_the_dlq_with_a_reason_and_the_rest_flow(broker, queue_type):
     from django_outbox.consumer import REASON_HEADER
 
@@ -145,7 +147,7 @@ def test_malformed_messages_go_to_the_dlq_with_a_reason_and_the_rest_flow(broker
         assert reason.startswith("undecodable: ") and named in reason
 
 
-@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
+@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
 def test_a_delivery_count_that_is_not_one_dead_letters_a_failing_message(broker, queue_type):
     """A publisher's own x-delivery-count / x-outbox-delivery cannot be counted on: a
     failing message carrying one goes to the dead-letter queue at once, with the reason."""
@@ -398,7 +400,7 @@ def wait_until_done(proxy, ledger_rows: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
 def test_database_outage_holds_messages_and_counts_no_delivery(
     broker, db_vendor, queue_type, tmp_path
 ):
@@ -465,7 +467,7 @@ def test_sigterm_during_a_database_outage_hands_the_messages_back(broker, db_ven
     assert PointsLedger.objects.count() == 1
 
 
-@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+@pytest.mark.parametrize("queue_type", QUEUE_TYPES)
 def test_a_handler_that_breaks_its_own_connection_is_not_held_for_good(
     broker, db_vendor, queue_type, caplog
 ):

@@ -18,7 +18,7 @@ from tests.utils.redis import AWARD, make_redis_consumer, publish_events
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.transport, pytest.mark.django_db(transaction=True)]
 
 FAILING = "tests.consumer_handlers.FailingHandler"
 

@@ -209,6 +209,7 @@ def test_a_connection_cut_mid_batch_loses_nothing_and_sends_nothing_unanswered(s
     assert all(stored[r.event_id] >= 1 for r in rows)  # 0 lost
 
 
+@pytest.mark.transport
 @pytest.mark.django_db(transaction=True)
 def test_the_consumer_processes_an_event_delivered_twice_once(side):
     side.prepare([AWARD])
@@ -222,6 +223,7 @@ def test_the_consumer_processes_an_event_delivered_twice_once(side):
     assert result.counts[Outcome.DUPLICATE] == result.messages - 1
 
 
+@pytest.mark.transport
 @pytest.mark.django_db(transaction=True)
 def test_dead_letter_after_the_limit(side):
     side.prepare([FAILING], max_retries=1)

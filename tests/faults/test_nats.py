@@ -19,7 +19,7 @@ from tests.utils.nats import NatsBroker, relay_settings
 
 from .harness import Processes, counts, emit, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.transport, pytest.mark.django_db(transaction=True)]
 
 EVENTS = 20_000
 

@@ -32,6 +32,7 @@ CLUSTER = CLUSTER_ENV.urls
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.transport,
     pytest.mark.django_db(transaction=True),
     CLUSTER_ENV.skip_unless_up,
 ]

@@ -22,7 +22,7 @@ from tests.utils.redis import RedisBroker, relay_settings
 
 from .harness import Processes, check_invariants, counts, emit, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.transport, pytest.mark.django_db(transaction=True)]
 
 EVENTS = 20_000
 
