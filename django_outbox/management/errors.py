@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 from ..checks import publishing
 from ..db import database_answers, missing_tables
+from ..exceptions import OutboxError
 from ..masking import mask_url
 from ..models import outbox_db
 
@@ -177,6 +178,16 @@ class DatabaseCommand(BaseCommand):
             for using in connections:
                 require_database(self.command_name, using)  # raises for the one down
             raise
+
+
+@contextmanager
+def backend_errors() -> Iterator[None]:
+    """Around building the outbox backend (or a relay, which builds one): a wrong
+    OUTBOX_BACKEND or OUTBOX_BACKEND_OPTIONS exits 2 in one line (misconfigured)."""
+    try:
+        yield
+    except (OutboxError, TypeError) as exc:
+        raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
 
 
 @contextmanager

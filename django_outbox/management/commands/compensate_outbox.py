@@ -11,10 +11,9 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 
-from ...exceptions import OutboxError
 from ...relay import BrokerOutage, Relay, stale_source
 from ...worker import configure_logging
-from ..errors import DatabaseCommand, database_errors
+from ..errors import DatabaseCommand, backend_errors, database_errors
 from ..options import duration, positive_int
 
 __all__ = ["Command", "stale_source"]
@@ -53,10 +52,8 @@ class Command(DatabaseCommand):
         **options: Any,
     ) -> None:
         configure_logging(verbosity)
-        try:
+        with backend_errors():
             relay = Relay.compensator(stale_after=stale_after, max_batch=max_batch, using=database)
-        except (OutboxError, TypeError) as exc:
-            raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         try:
             with database_errors("compensate_outbox", relay.using):
                 result = relay.drain()

@@ -7,29 +7,26 @@ signal; 2 misconfigured, the handlers' database unreachable or unmigrated at sta
 
 from __future__ import annotations
 
-import threading
-from json import dumps
 from typing import TYPE_CHECKING, Any
 
 from django.core.management.base import CommandError, CommandParser
 
 from ...consumer import (
-    BrokerUnreachable,
     IdempotentHandler,
     ImproperlyConfiguredConsumer,
     ImproperlyConfiguredHandler,
     get_handlers,
 )
 from ...transports import UnknownTransport, consumer_class
-from ...worker import configure_logging, stop_on_signals
-from ..errors import DatabaseCommand
-from ..options import non_negative_duration, non_negative_int, positive_int, queue_type
+from ...worker import configure_logging
+from ..options import non_negative_duration, non_negative_int, positive_int
+from ..serving import ConsumerCommand
 
 if TYPE_CHECKING:
     from django.db.models import Model
 
 
-class Command(DatabaseCommand):
+class Command(ConsumerCommand):
     help = (
         "Consume outbox events from RabbitMQ and run the IdempotentHandlers, acknowledging "
         "each message only after its handler's transaction committed. Runs until "
@@ -41,15 +38,6 @@ class Command(DatabaseCommand):
             "--queue",
             default=None,
             help="Queue to declare and read (default OUTBOX_CONSUMER_QUEUE).",
-        )
-        parser.add_argument(
-            "--exchange", default=None, help="Exchange to bind to (default OUTBOX_EXCHANGE)."
-        )
-        parser.add_argument(
-            "--prefetch",
-            type=positive_int,
-            default=None,
-            help="Unacknowledged messages held at once (default OUTBOX_CONSUMER_PREFETCH).",
         )
         parser.add_argument(
             "--handler",
@@ -68,12 +56,6 @@ class Command(DatabaseCommand):
             "(default OUTBOX_CONSUMER_MAX_RETRIES).",
         )
         parser.add_argument(
-            "--queue-type",
-            type=queue_type,
-            default=None,
-            help="quorum or classic (default OUTBOX_CONSUMER_QUEUE_TYPE).",
-        )
-        parser.add_argument(
             "--retry-delay",
             type=non_negative_duration,
             default=1.0,
@@ -87,17 +69,12 @@ class Command(DatabaseCommand):
             help="Exit after this many messages (tests, one-off catch-up).",
         )
         parser.add_argument(
-            "--once",
-            action="store_true",
-            help="Exit as soon as the queue has been empty for a second.",
-        )
-        parser.add_argument(
             "--list", action="store_true", help="List the handlers and their bindings, then exit."
         )
-        parser.add_argument(
-            "--json",
-            action="store_true",
-            help="At the end, print the totals as one JSON object instead of the summary line.",
+        self.add_broker_arguments(
+            parser,
+            prefetch="Unacknowledged messages held at once (default OUTBOX_CONSUMER_PREFETCH).",
+            once="Exit as soon as the queue has been empty for a second.",
         )
 
     needs_outbox_table = False  # the handlers write inbox or business rows
@@ -162,16 +139,10 @@ class Command(DatabaseCommand):
             raise CommandError(str(exc), returncode=2) from exc
         if verbosity >= 1:
             self.stderr.write(f"consume_outbox: {consumer.queue} on {consumer.nodes}")
-        stop = threading.Event()
-        with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
-            try:
-                result = consumer.serve(stop=stop, max_messages=max_messages, until_idle=once)
-            except BrokerUnreachable as exc:
-                raise CommandError(f"consume_outbox: {exc}", returncode=2) from exc
-        if json:
-            self.stdout.write(dumps(result.as_dict(), sort_keys=True))
-        else:
-            self.stdout.write(f"consume_outbox stopped: {result.summary()}")
+        self.serve(
+            lambda stop: consumer.serve(stop=stop, max_messages=max_messages, until_idle=once),
+            json=json,
+        )
 
     def _list(self, handlers: list[str] | None) -> None:
         try:

@@ -19,9 +19,8 @@ from django.core.management.base import CommandError, CommandParser
 from ...backends import get_backend
 from ...backends.base import BaseBackend, BrokerUnavailable, Reason
 from ...db import DbNow
-from ...exceptions import OutboxError
 from ...models import OutboxEvent, Status, outbox_db
-from ..errors import DatabaseCommand, database_errors, describe
+from ..errors import DatabaseCommand, backend_errors, database_errors, describe
 
 #: Event types in the table are read from the rows not yet sent and those created this
 #: recently (the (status, created_at) index serves both): a type last sent a year ago is
@@ -43,10 +42,8 @@ class Command(DatabaseCommand):
     def handle(self, *, database: str | None, **options: Any) -> None:
         using = outbox_db(database)
         self.stdout.write(f"database {describe(using)}: reachable, outbox table present")
-        try:
+        with backend_errors():
             backend = get_backend()
-        except (OutboxError, TypeError) as exc:
-            raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         with database_errors("outbox_check", using):
             keys = routing_keys(backend, using)
         try:

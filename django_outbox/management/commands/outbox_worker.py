@@ -11,24 +11,22 @@ unmigrated at start, or (``--once``) no broker node could be connected to.
 
 from __future__ import annotations
 
-import threading
-from json import dumps
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError, CommandParser
 
-from ...consumer import BrokerUnreachable, ImproperlyConfiguredConsumer
-from ...worker import configure_logging, stop_on_signals
-from ..errors import DatabaseCommand
-from ..options import positive_int, queue_type
+from ...consumer import ImproperlyConfiguredConsumer
+from ...worker import configure_logging
+from ..options import positive_int
+from ..serving import ConsumerCommand
 from .consume_outbox import transport_consumer
 
 if TYPE_CHECKING:
     from django.db.models import Model
 
 
-class Command(DatabaseCommand):
+class Command(ConsumerCommand):
     help = (
         "Run the Django tasks of an OutboxTaskBackend: read each task queue from the broker "
         "and run its tasks, recording each result with the task's own writes. Runs until "
@@ -56,30 +54,11 @@ class Command(DatabaseCommand):
             help="Tasks run at once per queue, each on a thread with its own broker and "
             "database connections (default 1).",
         )
-        parser.add_argument(
-            "--exchange", default=None, help="Exchange to bind to (default OUTBOX_EXCHANGE)."
-        )
-        parser.add_argument(
-            "--prefetch",
-            type=positive_int,
-            default=None,
-            help="Messages each consumer holds unacknowledged (default OUTBOX_CONSUMER_PREFETCH).",
-        )
-        parser.add_argument(
-            "--queue-type",
-            type=queue_type,
-            default=None,
-            help="quorum or classic (default OUTBOX_CONSUMER_QUEUE_TYPE).",
-        )
-        parser.add_argument(
-            "--once",
-            action="store_true",
-            help="Exit as soon as every queue has been empty for a second.",
-        )
-        parser.add_argument(
-            "--json",
-            action="store_true",
-            help="At the end, print the totals as one JSON object instead of the summary line.",
+        self.add_broker_arguments(
+            parser,
+            prefetch="Messages each consumer holds unacknowledged (default "
+            "OUTBOX_CONSUMER_PREFETCH).",
+            once="Exit as soon as every queue has been empty for a second.",
         )
 
     def databases_needed(self, options: dict[str, Any]) -> list[str]:
@@ -134,16 +113,7 @@ class Command(DatabaseCommand):
                 f"outbox_worker: queue(s) {', '.join(worker.queue_names)} of TASKS[{backend!r}], "
                 f"{concurrency} at once each, on {worker.consumers[0].nodes}"
             )
-        stop = threading.Event()
-        with stop_on_signals(stop, lambda msg: self.stderr.write(msg)):
-            try:
-                result = worker.serve(stop=stop, once=once)
-            except BrokerUnreachable as exc:
-                raise CommandError(f"outbox_worker: {exc}", returncode=2) from exc
-        if json:
-            self.stdout.write(dumps(result.as_dict(), sort_keys=True))
-        else:
-            self.stdout.write(f"outbox_worker stopped: {result.summary()}")
+        self.serve(lambda stop: worker.serve(stop=stop, once=once), json=json)
 
 
 def _backend(alias: str) -> Any:

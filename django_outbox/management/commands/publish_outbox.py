@@ -15,10 +15,9 @@ from django.conf import settings
 from django.core.management.base import CommandError, CommandParser
 
 from ...backends import get_backend
-from ...exceptions import OutboxError
 from ...relay import BrokerOutage, Relay
 from ...worker import configure_logging, stop_on_signals
-from ..errors import DatabaseCommand, database_errors
+from ..errors import DatabaseCommand, backend_errors, database_errors
 from ..options import duration, port, positive_int
 
 logger = logging.getLogger("django_outbox.relay")
@@ -85,15 +84,13 @@ class Command(DatabaseCommand):
                 "good part of its throughput (see docs/benchmarks.md). Run the relay with "
                 "DEBUG = False in production."
             )
-        try:
+        with backend_errors():
             relay = Relay(
                 backend=get_backend(),
                 batch_size=batch_size,
                 heartbeat_file=heartbeat_file,
                 using=database,
             )
-        except (OutboxError, TypeError) as exc:
-            raise CommandError(f"Cannot build the outbox backend: {exc}", returncode=2) from exc
         if metrics_port:
             from ...metrics import start_metrics_server
 
