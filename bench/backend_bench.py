@@ -11,42 +11,23 @@ to raw pika waiting per batch of the same size.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from bench.common import (
-    SAMPLE_AGGREGATE_TYPE,
-    SAMPLE_EVENT_TYPE,
-    SAMPLE_OCCURRED_AT,
-    SAMPLE_PAYLOAD,
     bench_exchange,
     best_of,
     count_from,
     parser,
     publish_rate,
     report,
+    sample_row,
     setup_django,
 )
 from bench.raw_pika import raw_pika_rate
 
 
 def make_rows(count: int) -> list[Any]:
-    from django_outbox.models import OutboxEvent
-
-    return [
-        OutboxEvent(
-            pk=i,
-            event_id=uuid.uuid4().hex,
-            event_type=SAMPLE_EVENT_TYPE,
-            aggregate_type=SAMPLE_AGGREGATE_TYPE,
-            aggregate_id=str(i),
-            payload=SAMPLE_PAYLOAD,
-            headers={},
-            occurred_at=SAMPLE_OCCURRED_AT,
-            retry_count=0,
-        )
-        for i in range(1, count + 1)
-    ]
+    return [sample_row(i, pk=i, headers={}, retry_count=0) for i in range(1, count + 1)]
 
 
 def backend_rate(count: int, *, url: str, batch_size: int, exchange: str | None = None) -> float:

@@ -95,6 +95,47 @@ def count_from(args: argparse.Namespace) -> int:
     return SMOKE_COUNT if args.smoke else args.count
 
 
+def sample_row(aggregate_id: int, **fields: Any) -> Any:
+    """An unsaved OutboxEvent of the sample event, its aggregate id ``aggregate_id``;
+    ``fields`` set the rest (``pk``, ``created_at``...)."""
+    from django_outbox.models import OutboxEvent
+
+    return OutboxEvent(
+        event_id=uuid.uuid4().hex,
+        event_type=SAMPLE_EVENT_TYPE,
+        aggregate_type=SAMPLE_AGGREGATE_TYPE,
+        aggregate_id=str(aggregate_id),
+        payload=SAMPLE_PAYLOAD,
+        occurred_at=SAMPLE_OCCURRED_AT,
+        **fields,
+    )
+
+
+def main_of_a_raw_client(
+    argv: list[str] | None,
+    description: str,
+    *,
+    url: str,
+    client: str,
+    what: str,
+    label: str,
+    knob: str,
+    values: tuple[int, ...],
+    rate: Callable[..., float],
+) -> None:
+    """The ``main()`` of a raw client's baseline: ``--<knob>s`` takes a comma list of the
+    values to try (0: no limit); one report line per value, the best of ``--repeat``."""
+    p = parser(description)
+    p.set_defaults(url=url)
+    p.add_argument(f"--{knob}s", default=",".join(map(str, values)))
+    args = p.parse_args(argv)
+    count = count_from(args)
+    print(f"{client}: {mask_url(args.url)}, {count:,} {what}, {args.repeat} run(s)")
+    for value in (int(v) for v in getattr(args, f"{knob}s").split(",")):
+        best = best_of(args.repeat, lambda v=value: rate(count, url=args.url, **{knob: v}))
+        report(f"{label}, {knob} {value or 'all'}", best, count=count)
+
+
 # -- timing and memory -------------------------------------------------------------------
 @dataclass
 class Measurement:

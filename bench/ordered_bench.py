@@ -35,16 +35,13 @@ if __package__ in (None, ""):  # run as a script: python bench/ordered_bench.py
 
 from bench.backend_bench import backend_rate
 from bench.common import (
-    SAMPLE_AGGREGATE_TYPE,
-    SAMPLE_EVENT_TYPE,
-    SAMPLE_OCCURRED_AT,
-    SAMPLE_PAYLOAD,
     Stopwatch,
     analyze,
     bench_exchange,
     best_of,
     parser,
     report,
+    sample_row,
 )
 
 SMOKE = {"aggregates": 50, "events": 6, "hot": 100}
@@ -85,19 +82,7 @@ def write_backlog(aggregates: int, events: int, seed: int = 9) -> int:
     for _n in range(events):
         order = list(range(aggregates))
         rng.shuffle(order)
-        rows += [
-            OutboxEvent(
-                event_id=uuid.uuid4().hex,
-                event_type=SAMPLE_EVENT_TYPE,
-                aggregate_type=SAMPLE_AGGREGATE_TYPE,
-                aggregate_id=str(a),
-                payload=SAMPLE_PAYLOAD,
-                occurred_at=SAMPLE_OCCURRED_AT,
-                created_at=now,
-                next_retry_time=now,
-            )
-            for a in order
-        ]
+        rows += [sample_row(a, created_at=now, next_retry_time=now) for a in order]
     OutboxEvent.objects.bulk_create(rows, batch_size=2000)
     return len(rows)
 

@@ -29,14 +29,10 @@ from typing import Any
 from bench.common import (
     SAMPLE_EVENT_TYPE,
     SAMPLE_OCCURRED_AT,
-    best_of,
-    count_from,
-    parser,
-    report,
+    main_of_a_raw_client,
     sample_headers,
 )
 from bench.raw_pika import sample_body
-from django_outbox.masking import mask_url
 
 DEFAULT_NATS_URL = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 DEFAULT_WINDOWS = (0, 1000, 4000)
@@ -146,16 +142,17 @@ def best_raw_nats_rate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.set_defaults(url=DEFAULT_NATS_URL)
-    p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)))
-    args = p.parse_args(argv)
-    count = count_from(args)
-    windows = [int(w) for w in args.windows.split(",")]
-    print(f"raw nats-py: {mask_url(args.url)}, {count:,} messages, {args.repeat} run(s)")
-    for window in windows:
-        rate = best_of(args.repeat, lambda w=window: raw_nats_rate(count, url=args.url, window=w))
-        report(f"publish_async, window {window or 'all'}", rate, count=count)
+    main_of_a_raw_client(
+        argv,
+        __doc__.splitlines()[0],
+        url=DEFAULT_NATS_URL,
+        client="raw nats-py",
+        what="messages",
+        label="publish_async",
+        knob="window",
+        values=DEFAULT_WINDOWS,
+        rate=raw_nats_rate,
+    )
 
 
 if __name__ == "__main__":

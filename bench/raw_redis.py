@@ -27,14 +27,10 @@ from typing import Any
 
 from bench.common import (
     SAMPLE_EVENT_TYPE,
-    best_of,
-    count_from,
-    parser,
-    report,
+    main_of_a_raw_client,
     sample_headers,
 )
 from bench.raw_pika import sample_body
-from django_outbox.masking import mask_url
 
 DEFAULT_REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 DEFAULT_DEPTHS = (0, 200, 1000)
@@ -112,16 +108,17 @@ def best_raw_redis_rate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.set_defaults(url=DEFAULT_REDIS_URL)
-    p.add_argument("--depths", default=",".join(map(str, DEFAULT_DEPTHS)))
-    args = p.parse_args(argv)
-    count = count_from(args)
-    depths = [int(d) for d in args.depths.split(",")]
-    print(f"raw redis-py: {mask_url(args.url)}, {count:,} entries, {args.repeat} run(s)")
-    for depth in depths:
-        rate = best_of(args.repeat, lambda d=depth: raw_redis_rate(count, url=args.url, depth=d))
-        report(f"pipelined XADD, depth {depth or 'all'}", rate, count=count)
+    main_of_a_raw_client(
+        argv,
+        __doc__.splitlines()[0],
+        url=DEFAULT_REDIS_URL,
+        client="raw redis-py",
+        what="entries",
+        label="pipelined XADD",
+        knob="depth",
+        values=DEFAULT_DEPTHS,
+        rate=raw_redis_rate,
+    )
 
 
 if __name__ == "__main__":
