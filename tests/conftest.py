@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from contextlib import closing
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
@@ -118,18 +119,16 @@ def management_url(amqp_url: str) -> str:
 @pytest.fixture
 def broker(amqp_url: str) -> Iterator[Broker]:
     """This test's own exchange and queues on the real RabbitMQ, deleted afterwards."""
-    b = Broker(amqp_url)
-    yield b
-    b.close()
+    with closing(Broker(amqp_url)) as b:
+        yield b
 
 
 @pytest.fixture
 def proxied(broker: Broker) -> Iterator[tuple[TcpProxy, str]]:
     """A TcpProxy in front of RabbitMQ, and the AMQP URL that goes through it: the way
     tests cut, pause or refuse the broker without touching the shared server."""
-    proxy, url = TcpProxy.for_url(broker.url)
-    yield proxy, url
-    proxy.close()
+    with TcpProxy.in_front_of(broker.url) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="session")
@@ -168,17 +167,15 @@ def nats_broker(nats_url: str) -> Iterator[NatsBroker]:
     """This test's own stream (and dead-letter stream) on the real NATS, deleted afterwards."""
     from tests.utils.nats import NatsBroker
 
-    b = NatsBroker(nats_url)
-    yield b
-    b.close()
+    with closing(NatsBroker(nats_url)) as b:
+        yield b
 
 
 @pytest.fixture
 def nats_proxied(nats_broker: NatsBroker) -> Iterator[tuple[TcpProxy, str]]:
     """A TcpProxy in front of NATS, and the URL that goes through it."""
-    proxy, url = TcpProxy.for_url(nats_broker.url)
-    yield proxy, url
-    proxy.close()
+    with TcpProxy.in_front_of(nats_broker.url) as pair:
+        yield pair
 
 
 @pytest.fixture
@@ -193,17 +190,15 @@ def redis_broker(redis_url: str) -> Iterator[RedisBroker]:
     afterwards: other test runs on the same server use other names."""
     from tests.utils.redis import RedisBroker
 
-    b = RedisBroker(redis_url)
-    yield b
-    b.close()
+    with closing(RedisBroker(redis_url)) as b:
+        yield b
 
 
 @pytest.fixture
 def redis_proxied(redis_broker: RedisBroker) -> Iterator[tuple[TcpProxy, str]]:
     """A TcpProxy in front of Redis, and the URL that goes through it."""
-    proxy, url = TcpProxy.for_url(redis_broker.url)
-    yield proxy, url
-    proxy.close()
+    with TcpProxy.in_front_of(redis_broker.url) as pair:
+        yield pair
 
 
 @pytest.fixture(autouse=True)

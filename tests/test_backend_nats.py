@@ -4,13 +4,11 @@ SENT, and what a lost connection, a missing stream or an unbuildable row do."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from django.core.checks import Error
 from django.test import override_settings
 
-from django_outbox.backends import get_backend_class
 from django_outbox.backends.base import BrokerUnavailable, Reason
 from django_outbox.backends.nats import NatsBackend
 from django_outbox.checks import Codes, check_backend
@@ -22,13 +20,6 @@ pytestmark = pytest.mark.once
 
 def backend(broker, **options) -> NatsBackend:
     return NatsBackend(**broker.backend_options(**options))
-
-
-def test_a_nats_url_picks_the_nats_backend():
-    with override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL="nats://127.0.0.1:4222"):
-        assert get_backend_class() is NatsBackend
-    with override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL="tls://nats.example:4222"):
-        assert get_backend_class() is NatsBackend
 
 
 def test_a_missing_nats_py_names_the_extra(monkeypatch):
@@ -73,18 +64,6 @@ def test_a_republished_event_is_acked_and_stored_once(nats_broker):
     assert nats_broker.count() == 20
 
 
-def test_batches_in_flight_are_collected_in_order(nats_broker):
-    rows = wire_rows(300)
-    with backend(nats_broker) as b:
-        for start in range(0, 300, 100):
-            b.send(rows[start : start + 100])
-        results = [b.wait() for _ in range(3)]
-        assert b.wait() == []
-    assert [len(r) for r in results] == [100, 100, 100]
-    assert all(r.ok for batch in results for r in batch)
-    assert nats_broker.count() == 300
-
-
 def test_a_subject_no_stream_takes_fails_that_row_unroutable(nats_broker):
     nats_broker.declare_stream(subjects=[f"{nats_broker.prefix}.ORDER_CREATED"])
     rows = wire_rows(2) + wire_rows(1, event_type="ORDER_PAID", start=3)
@@ -116,59 +95,6 @@ def test_a_stream_with_a_shorter_window_is_refused_not_changed(nats_broker):
     assert info.config.duplicate_window == 10
 
 
-def test_no_server_is_broker_unavailable(nats_proxied):
-    proxy, url = nats_proxied
-    proxy.refuse()
-    b = NatsBackend(broker_url=url, stream="NOPE", connect_timeout=1)
-    with pytest.raises(BrokerUnavailable, match="cannot connect to NATS at"):
-        b.send(wire_rows(1))
-    b.close()
-
-
-def test_no_ack_within_the_confirm_timeout_is_a_timeout(nats_broker, nats_proxied):
-    proxy, url = nats_proxied
-    with NatsBackend(**nats_broker.backend_options(broker_url=url, confirm_timeout=0.5)) as b:
-        proxy.pause()  # the acks are held back
-        started = time.monotonic()
-        results = b.publish(wire_rows(10))
-        assert time.monotonic() - started < 3
-    assert {r.reason for r in results} == {Reason.TIMEOUT}
-
-
-def test_a_connection_cut_mid_batch_sends_nothing_without_its_ack(nats_broker, nats_proxied):
-    """The acks of the batch are held back, the connection is cut: every row of it is
-    CONNECTION_LOST at once (not at the timeout), and the next send connects again."""
-    proxy, url = nats_proxied
-    rows = wire_rows(200)
-    with NatsBackend(**nats_broker.backend_options(broker_url=url, confirm_timeout=10)) as b:
-        b.publish(wire_rows(1, start=1000))  # connected, stream declared
-        proxy.pause()
-        b.send(rows)
-        time.sleep(0.3)
-        started = time.monotonic()
-        proxy.cut()
-        proxy.resume()
-        results = b.wait()
-        assert time.monotonic() - started < 5
-        assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
-        assert all(r.ok for r in b.publish(rows))  # reconnected
-    stored = nats_broker.collect()
-    assert all(stored[r.event_id] == 1 for r in rows)
-
-
-def test_a_lost_connection_fails_every_batch_in_flight(nats_broker, nats_proxied):
-    proxy, url = nats_proxied
-    with NatsBackend(**nats_broker.backend_options(broker_url=url)) as b:
-        b.publish(wire_rows(1, start=1000))
-        proxy.pause()
-        b.send(wire_rows(10))
-        b.send(wire_rows(10, start=11))
-        proxy.cut()
-        proxy.resume()
-        first, second = b.wait(), b.wait()
-    assert {r.reason for r in first + second} == {Reason.CONNECTION_LOST}
-
-
 @override_settings(
     OUTBOX_BACKEND="",
     OUTBOX_BROKER_URL="nats://127.0.0.1:4222",
@@ -179,11 +105,6 @@ def test_a_duplicate_window_not_longer_than_the_lease_is_e030():
     errors = check_backend()
     assert [e.id for e in errors] == [Codes.NATS_DUPLICATE_WINDOW]
     assert "OUTBOX_NATS_DUPLICATE_WINDOW = 120" in errors[0].hint
-
-
-@override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL="nats://127.0.0.1:4222")
-def test_the_default_window_passes_against_the_default_lease():
-    assert check_backend() == []
 
 
 @override_settings(
@@ -197,14 +118,6 @@ def test_stream_settings_nats_cannot_take_are_e031():
     assert {e.id for e in errors} == {Codes.NATS_STREAM}
     assert len(errors) == 2
     assert all(isinstance(e, Error) for e in errors)
-
-
-@override_settings(
-    OUTBOX_BACKEND="django_outbox.backends.nats.NatsBackend",
-    OUTBOX_BROKER_URL="amqp://guest:guest@127.0.0.1/%2F",
-)
-def test_a_nats_backend_with_an_amqp_url_is_e005():
-    assert [e.id for e in check_backend()] == [Codes.BROKER_URL]
 
 
 def test_check_routes_says_which_subjects_the_stream_takes_and_who_reads_them(nats_broker):

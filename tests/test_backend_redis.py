@@ -26,13 +26,6 @@ def backend(broker, **options) -> RedisBackend:
     return RedisBackend(**broker.backend_options(**options))
 
 
-def test_a_redis_url_picks_the_redis_backend():
-    with override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL="redis://127.0.0.1:6379/0"):
-        assert get_backend_class() is RedisBackend
-    with override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL="rediss://redis.example:6380"):
-        assert get_backend_class() is RedisBackend
-
-
 def test_outbox_backend_still_wins_over_a_redis_url():
     with override_settings(
         OUTBOX_BACKEND="django_outbox.backends.locmem.LocmemBackend",
@@ -84,18 +77,6 @@ def test_the_streams_setting_maps_routing_keys_and_maxlen_bounds_them(redis_brok
     assert redis_broker.count() == 0
 
 
-def test_batches_in_flight_are_collected_in_order(redis_broker):
-    rows = wire_rows(300)
-    with backend(redis_broker) as b:
-        for start in range(0, 300, 100):
-            b.send(rows[start : start + 100])
-        results = [b.wait() for _ in range(3)]
-        assert b.wait() == []
-    assert [len(r) for r in results] == [100, 100, 100]
-    assert all(r.ok for batch in results for r in batch)
-    assert list(redis_broker.collect()) == [r.event_id for r in rows]
-
-
 def test_an_error_reply_fails_that_row_with_its_reason(redis_broker):
     redis_broker.client.set(redis_broker.stream("ORDER_PAID"), "not a stream")
     rows = wire_rows(2) + wire_rows(1, event_type="ORDER_PAID", start=3) + wire_rows(1, start=4)
@@ -116,60 +97,6 @@ def test_a_row_that_cannot_be_built_fails_alone(redis_broker):
     assert [r.ok for r in results] == [True, False, True]
     assert results[1].reason is Reason.SERIALISATION
     assert redis_broker.count() == 2
-
-
-def test_no_server_is_broker_unavailable(redis_proxied):
-    proxy, url = redis_proxied
-    proxy.refuse()
-    b = RedisBackend(broker_url=url, connect_timeout=1)
-    with pytest.raises(BrokerUnavailable, match="cannot connect to Redis at redis://127"):
-        b.send(wire_rows(1))
-    b.close()
-
-
-def test_no_answer_within_the_confirm_timeout_is_a_timeout(redis_broker, redis_proxied):
-    proxy, url = redis_proxied
-    with backend(redis_broker, broker_url=url, confirm_timeout=0.5) as b:
-        proxy.pause()  # the answers are held back
-        started = time.monotonic()
-        results = b.publish(wire_rows(10))
-        assert time.monotonic() - started < 3
-    assert {r.reason for r in results} == {Reason.TIMEOUT}
-
-
-def test_a_connection_cut_mid_batch_sends_nothing_without_its_answer(redis_broker, redis_proxied):
-    """The answers of the batch are held back, the connection is cut: every row of it is
-    CONNECTION_LOST at once (not at the timeout), and the next send connects again."""
-    proxy, url = redis_proxied
-    rows = wire_rows(200)
-    with backend(redis_broker, broker_url=url, confirm_timeout=10) as b:
-        b.publish(wire_rows(1, start=1000))  # connected
-        proxy.pause()
-        b.send(rows)
-        time.sleep(0.3)
-        started = time.monotonic()
-        proxy.cut()
-        proxy.resume()
-        results = b.wait()
-        assert time.monotonic() - started < 5
-        assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
-        b.close()  # as the relay does after a lost connection
-        assert all(r.ok for r in b.publish(rows))  # reconnected
-    stored = redis_broker.collect()
-    assert all(stored[r.event_id] >= 1 for r in rows)
-
-
-def test_a_lost_connection_fails_every_batch_in_flight(redis_broker, redis_proxied):
-    proxy, url = redis_proxied
-    with backend(redis_broker, broker_url=url) as b:
-        b.publish(wire_rows(1, start=1000))
-        proxy.pause()
-        b.send(wire_rows(10))
-        b.send(wire_rows(10, start=11))
-        proxy.cut()
-        proxy.resume()
-        first, second = b.wait(), b.wait()
-    assert {r.reason for r in first + second} == {Reason.CONNECTION_LOST}
 
 
 def test_a_replica_is_passed_over_for_the_primary():
@@ -208,11 +135,6 @@ def test_a_promoted_replica_takes_over_and_nothing_is_sent_without_an_answer():
         assert stored == [r.event_id for r in first + second]
 
 
-@override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL="redis://127.0.0.1:6379/0")
-def test_the_default_settings_pass_the_checks():
-    assert check_backend() == []
-
-
 @override_settings(
     OUTBOX_BACKEND="",
     OUTBOX_BROKER_URL="redis://127.0.0.1:6379/0",
@@ -224,14 +146,6 @@ def test_redis_settings_it_cannot_take_are_e032():
     errors = check_backend()
     assert [e.id for e in errors] == [Codes.REDIS_SETTING] * 3
     assert "OUTBOX_REDIS_MAXLEN is 0" in errors[1].msg
-
-
-@override_settings(
-    OUTBOX_BACKEND="django_outbox.backends.redis.RedisBackend",
-    OUTBOX_BROKER_URL="amqp://guest:guest@127.0.0.1/%2F",
-)
-def test_a_redis_backend_with_an_amqp_url_is_e005():
-    assert [e.id for e in check_backend()] == [Codes.BROKER_URL]
 
 
 def test_check_routes_names_each_stream_and_its_groups(redis_broker):

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from django.test import override_settings
 
 from django_outbox.consumer import Outcome
-from django_outbox.consumer.base import ImproperlyConfiguredConsumer
 from django_outbox.consumer.nats import Consumer, durable_name, filter_subjects
-from django_outbox.message import CLOUDEVENTS, CLOUDEVENTS_STRUCTURED, NATIVE
-from django_outbox.transports import consumer_class
 from points.models import PointsLedger
 from tests.utils.nats import AWARD, make_nats_consumer, publish_events
 from tests.utils.rows import unsaved_event
@@ -30,10 +26,6 @@ def dead_letters(broker):
     return broker.messages(f"{durable_name(broker.queue)}_dlq")
 
 
-def test_a_nats_url_picks_the_nats_consumer():
-    assert consumer_class("nats://127.0.0.1:4222") is Consumer
-
-
 def test_names_and_subjects_nats_can_take():
     assert durable_name("points.outbox") == "points_outbox"
     assert filter_subjects("outbox", ["ORDER_CREATED"]) == ["outbox.ORDER_CREATED"]
@@ -43,11 +35,6 @@ def test_names_and_subjects_nats_can_take():
     ]
     assert filter_subjects("", ["a.b"]) == ["a.b"]
     assert filter_subjects("outbox", ["a.#.b"]) == []  # NATS has no '>' before the end
-
-
-def test_a_queue_type_is_refused_saying_why():
-    with pytest.raises(ImproperlyConfiguredConsumer, match="RabbitMQ's"):
-        Consumer(handlers=[AWARD], url="nats://127.0.0.1:4222", queue_type="quorum")
 
 
 def test_an_event_in_the_stream_twice_one_row_both_acked(nats_broker):
@@ -65,32 +52,6 @@ def test_an_event_in_the_stream_twice_one_row_both_acked(nats_broker):
     assert PointsLedger.objects.filter(source_event_id=event.event_id).count() == 1
     # Both acked: a new run finds nothing.
     assert make_nats_consumer(nats_broker).serve(until_idle=True).messages == 0
-
-
-@pytest.mark.parametrize("message_format", [NATIVE, CLOUDEVENTS, CLOUDEVENTS_STRUCTURED])
-def test_each_format_the_relay_writes_is_read(nats_broker, message_format):
-    event = unsaved_event(headers={"tenant": 5, "note": "ä b"})
-    with override_settings(OUTBOX_MESSAGE_FORMAT=message_format):
-        publish_events(nats_broker, event)
-    consumer = make_nats_consumer(nats_broker)
-    seen = []
-    original = consumer.dispatcher.process
-
-    def spy(received):
-        seen.append(received)
-        return original(received)
-
-    consumer.dispatcher.process = spy
-    result = consumer.serve(until_idle=True)
-    assert result.counts[Outcome.PROCESSED] == 1
-    assert result.formats[message_format] == 1
-    (received,) = seen
-    assert received.event_id == event.event_id
-    assert received.headers == {"tenant": 5, "note": "ä b"}
-    assert received.aggregate_id == event.aggregate_id
-    assert received.sequence == event.pk
-    if message_format == CLOUDEVENTS:
-        assert received.cloudevent["datacontenttype"] == "application/json"
 
 
 def test_failing_handler_is_retried_then_dead_lettered_with_the_reason(nats_broker):
@@ -141,26 +102,6 @@ def test_failure_then_success_on_redelivery(nats_broker):
     assert PointsLedger.objects.get().source_event_id == event.event_id
 
 
-def test_a_stop_hands_each_fetched_message_back_once(nats_broker):
-    events = [unsaved_event(pk=n) for n in range(1, 6)]
-    publish_events(nats_broker, *events)
-    consumer = make_nats_consumer(nats_broker, prefetch=5)
-    assert consumer.serve(max_messages=1).messages == 1
-    # Four were fetched with it and handed back: each is delivered again, counted once.
-    consumer = make_nats_consumer(nats_broker)
-    numbers = []
-    original = consumer.delivery
-
-    def spy(message):
-        delivery = original(message)
-        numbers.append(delivery.number)
-        return delivery
-
-    consumer.delivery = spy
-    assert consumer.serve(until_idle=True).counts[Outcome.PROCESSED] == 4
-    assert numbers == [2, 2, 2, 2]
-
-
 def test_the_consumer_waits_for_the_stream(nats_broker):
     consumer = Consumer(
         handlers=[AWARD],
@@ -178,29 +119,3 @@ def test_the_consumer_waits_for_the_stream(nats_broker):
         publish_events(nats_broker, unsaved_event())
         assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=20)
     assert results[0].counts[Outcome.PROCESSED] == 1
-
-
-def test_reconnects_after_the_connection_is_lost(nats_broker, nats_proxied):
-    proxy, url = nats_proxied
-    publish_events(nats_broker, unsaved_event(pk=1))
-    consumer = make_nats_consumer(nats_broker, url=url, reconnect_max=0.2)
-    from tests.utils.amqp import serving
-
-    with serving(consumer) as results:
-        assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=20)
-        proxy.cut()
-        publish_events(nats_broker, unsaved_event(pk=2))
-        assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=20)
-    assert results[0].counts[Outcome.PROCESSED] == 2
-
-
-def test_a_one_pass_run_that_cannot_connect_gives_up_saying_why(nats_broker, nats_proxied):
-    from django_outbox.consumer.base import BrokerUnreachable
-
-    proxy, url = nats_proxied
-    proxy.refuse()
-    consumer = Consumer(
-        handlers=[AWARD], url=url, queue=nats_broker.queue, stream=nats_broker.stream
-    )
-    with pytest.raises(BrokerUnreachable, match=r"cannot connect to NATS at nats://127\.0\.0\.1"):
-        consumer.serve(until_idle=True)

@@ -8,14 +8,13 @@ import pytest
 from django.test import override_settings
 
 from django_outbox.consumer import Outcome
-from django_outbox.consumer.base import BrokerUnreachable, ImproperlyConfiguredConsumer
-from django_outbox.consumer.redis import Consumer, streams_for
-from django_outbox.message import CLOUDEVENTS, CLOUDEVENTS_STRUCTURED, NATIVE
-from django_outbox.transports import consumer_class
+from django_outbox.consumer.base import ImproperlyConfiguredConsumer
+from django_outbox.consumer.redis import streams_for
 from points.models import PointsLedger
 from tests.utils.amqp import serving
 from tests.utils.redis import AWARD, make_redis_consumer, publish_events
 from tests.utils.rows import unsaved_event
+from tests.utils.transport import delivery_numbers
 from tests.utils.waiting import wait_for
 
 pytestmark = [pytest.mark.transport, pytest.mark.django_db(transaction=True)]
@@ -33,22 +32,12 @@ def pending(broker, stream=None):
     return broker.client.xpending(stream or broker.stream(), broker.queue)["pending"]
 
 
-def test_a_redis_url_picks_the_redis_consumer():
-    assert consumer_class("redis://127.0.0.1:6379/0") is Consumer
-    assert consumer_class("rediss://127.0.0.1:6380/0") is Consumer
-
-
 def test_streams_of_the_bindings_and_no_wildcards():
     assert streams_for({}, "outbox", ["ORDER_CREATED", "ORDER_CREATED"]) == ["outbox.ORDER_CREATED"]
     assert streams_for({"ORDER_CREATED": "orders"}, "outbox", ["ORDER_CREATED"]) == ["orders"]
     assert streams_for({}, "", ["a.b"]) == ["a.b"]
     with pytest.raises(ImproperlyConfiguredConsumer, match="no wildcards"):
         streams_for({}, "outbox", ["orders.*"])
-
-
-def test_a_queue_type_is_refused_saying_why():
-    with pytest.raises(ImproperlyConfiguredConsumer, match="RabbitMQ's"):
-        Consumer(handlers=[AWARD], url="redis://127.0.0.1:6379/0", queue_type="quorum")
 
 
 def test_an_event_in_the_stream_twice_one_row_both_acked(redis_broker):
@@ -61,40 +50,6 @@ def test_an_event_in_the_stream_twice_one_row_both_acked(redis_broker):
     assert PointsLedger.objects.filter(source_event_id=event.event_id).count() == 1
     assert pending(redis_broker) == 0  # both acked
     assert make_redis_consumer(redis_broker).serve(until_idle=True).messages == 0
-
-
-@pytest.mark.parametrize("message_format", [NATIVE, CLOUDEVENTS, CLOUDEVENTS_STRUCTURED])
-def test_each_format_the_relay_writes_is_read(redis_broker, message_format):
-    event = unsaved_event(
-        headers={
-            "tenant": 5,
-            "note": "ä b",
-            "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-        }
-    )
-    with override_settings(OUTBOX_MESSAGE_FORMAT=message_format):
-        publish_events(redis_broker, event)
-    consumer = make_redis_consumer(redis_broker)
-    seen = []
-    original = consumer.dispatcher.process
-
-    def spy(received):
-        seen.append(received)
-        return original(received)
-
-    consumer.dispatcher.process = spy
-    result = consumer.serve(until_idle=True)
-    assert result.counts[Outcome.PROCESSED] == 1
-    assert result.formats[message_format] == 1
-    (received,) = seen
-    assert received.event_id == event.event_id
-    assert received.headers["tenant"] == 5
-    assert received.headers["note"] == "ä b"
-    assert received.headers["traceparent"] == event.headers["traceparent"]
-    assert received.aggregate_id == event.aggregate_id
-    assert received.sequence == event.pk
-    if message_format == CLOUDEVENTS:
-        assert received.cloudevent["datacontenttype"] == "application/json"
 
 
 def test_failing_handler_is_retried_then_dead_lettered_with_the_reason(redis_broker):
@@ -142,15 +97,7 @@ def test_a_dead_consumers_entries_are_claimed_after_the_visibility_timeout(redis
     dead._client = None
     assert pending(redis_broker) == 3
     live = make_redis_consumer(redis_broker, visibility_timeout=0.5)
-    numbers = []
-    original = live.delivery
-
-    def spy(message):
-        delivery = original(message)
-        numbers.append(delivery.number)
-        return delivery
-
-    live.delivery = spy
+    numbers = delivery_numbers(live)
     started = time.monotonic()
     with serving(live) as results:
         assert wait_for(lambda: PointsLedger.objects.count() == 3, timeout=20)
@@ -158,26 +105,6 @@ def test_a_dead_consumers_entries_are_claimed_after_the_visibility_timeout(redis
     assert results[0].counts[Outcome.PROCESSED] == 3
     assert numbers == [2, 2, 2]  # counted from the pending list
     assert pending(redis_broker) == 0
-
-
-def test_a_stop_hands_each_read_entry_back_once(redis_broker):
-    events = [unsaved_event(pk=n) for n in range(1, 6)]
-    publish_events(redis_broker, *events)
-    consumer = make_redis_consumer(redis_broker, prefetch=5)
-    assert consumer.serve(max_messages=1).messages == 1
-    consumer = make_redis_consumer(redis_broker, visibility_timeout=30)
-    numbers = []
-    original = consumer.delivery
-
-    def spy(message):
-        delivery = original(message)
-        numbers.append(delivery.number)
-        return delivery
-
-    consumer.delivery = spy
-    # Handed back: claimable at once, not after the 30 s visibility timeout.
-    assert consumer.serve(until_idle=True).counts[Outcome.PROCESSED] == 4
-    assert numbers == [2, 2, 2, 2]
 
 
 def test_held_entries_stay_claimed_past_the_visibility_timeout(redis_broker):
@@ -192,26 +119,6 @@ def test_held_entries_stay_claimed_past_the_visibility_timeout(redis_broker):
     assert other._claim() == []
     holder.close()
     other.close()
-
-
-def test_a_one_pass_run_that_cannot_connect_gives_up_saying_why(redis_broker, redis_proxied):
-    proxy, url = redis_proxied
-    proxy.refuse()
-    consumer = Consumer(handlers=[AWARD], url=url, queue=redis_broker.queue, connect_timeout=1)
-    with pytest.raises(BrokerUnreachable, match=r"cannot connect to Redis at redis://127\.0\.0\.1"):
-        consumer.serve(until_idle=True)
-
-
-def test_reconnects_after_the_connection_is_lost(redis_broker, redis_proxied):
-    proxy, url = redis_proxied
-    publish_events(redis_broker, unsaved_event(pk=1))
-    consumer = make_redis_consumer(redis_broker, url=url, reconnect_max=0.2)
-    with serving(consumer) as results:
-        assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=20)
-        proxy.cut()
-        publish_events(redis_broker, unsaved_event(pk=2))
-        assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=20)
-    assert results[0].counts[Outcome.PROCESSED] == 2
 
 
 def test_consume_outbox_on_a_redis_url(redis_broker):

@@ -13,19 +13,30 @@ applies to it.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
+from importlib import import_module
 from typing import Any
 
 import pytest
+from django.test import override_settings
 
-from django_outbox.backends.base import BaseBackend, Reason
+from django_outbox.backends import get_backend_class
+from django_outbox.backends.base import BaseBackend, BrokerUnavailable, Reason
 from django_outbox.backends.locmem import LocmemBackend
 from django_outbox.backends.locmem import outbox as locmem_outbox
+from django_outbox.checks import Codes, check_backend
 from django_outbox.consumer import Outcome
+from django_outbox.consumer.base import BrokerUnreachable, ImproperlyConfiguredConsumer
+from django_outbox.message import CLOUDEVENTS, CLOUDEVENTS_STRUCTURED, NATIVE
+from django_outbox.transports import consumer_class
 from points.models import PointsLedger
+from tests.utils.amqp import serving
 from tests.utils.proxy import TcpProxy
 from tests.utils.rows import unsaved_event, wire_rows
+from tests.utils.transport import delivery_numbers
+from tests.utils.waiting import wait_for
 
 FAILING = "tests.consumer_handlers.FailingHandler"
 AWARD = "points.handlers.AwardPointsHandler"
@@ -33,6 +44,9 @@ BROKERS = ["amqp", "nats", "redis"]
 
 
 class Amqp:
+    #: Whether the broker drops a second copy of an event itself (by its id).
+    dedupes = False
+
     def __init__(self, broker: Any) -> None:
         self.broker = broker
         self.url = broker.url
@@ -67,6 +81,12 @@ class Amqp:
 
 
 class Nats:
+    #: What a backend or a consumer that cannot connect says first.
+    unreachable = "cannot connect to NATS at nats://127.0.0.1"
+    dedupes = True  # the stream's duplicate window, by Nats-Msg-Id
+    #: A consumer's options that keep it from taking another's messages for a long time.
+    patient: dict[str, Any] = {}
+
     def __init__(self, broker: Any) -> None:
         self.broker = broker
         self.url = broker.url
@@ -91,6 +111,13 @@ class Nats:
 
         return make_nats_consumer(self.broker, handlers, **options)
 
+    def unconnected_consumer(self, url: str) -> Any:
+        from django_outbox.consumer.nats import Consumer
+
+        return Consumer(
+            handlers=[AWARD], url=url, queue=self.broker.queue, stream=self.broker.stream
+        )
+
     def publish(self, *events: Any) -> None:
         from tests.utils.nats import publish_events
 
@@ -107,6 +134,10 @@ class Nats:
 
 
 class Redis:
+    unreachable = "cannot connect to Redis at redis://127.0.0.1"
+    dedupes = False
+    patient: dict[str, Any] = {"visibility_timeout": 30}
+
     def __init__(self, broker: Any) -> None:
         self.broker = broker
         self.url = broker.url
@@ -132,6 +163,11 @@ class Redis:
         options.setdefault("visibility_timeout", 0.3)
         return make_redis_consumer(self.broker, handlers, **options)
 
+    def unconnected_consumer(self, url: str) -> Any:
+        from django_outbox.consumer.redis import Consumer
+
+        return Consumer(handlers=[AWARD], url=url, queue=self.broker.queue, connect_timeout=1)
+
     def publish(self, *events: Any) -> None:
         from tests.utils.redis import publish_events
 
@@ -149,6 +185,69 @@ def side(request: pytest.FixtureRequest) -> Any:
     if kind == "nats":
         return Nats(request.getfixturevalue("nats_broker"))
     return Redis(request.getfixturevalue("redis_broker"))
+
+
+@pytest.fixture(params=["nats", "redis"])
+def stream_side(request: pytest.FixtureRequest) -> Any:
+    """The transports whose backend is a stream client of ours (RabbitMQ's own cases of
+    these are in test_backend_pika.py, with pika's particulars)."""
+    if request.param == "nats":
+        return Nats(request.getfixturevalue("nats_broker"))
+    return Redis(request.getfixturevalue("redis_broker"))
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    "urls, backend",
+    [
+        (["nats://127.0.0.1:4222", "tls://nats.example:4222"], "NatsBackend"),
+        (["redis://127.0.0.1:6379/0", "rediss://redis.example:6380"], "RedisBackend"),
+    ],
+)
+def test_a_transport_url_picks_its_backend(urls, backend):
+    for url in urls:
+        with override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL=url):
+            assert get_backend_class().__name__ == backend
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:4222", "redis://127.0.0.1:6379/0"])
+def test_the_default_settings_pass_the_checks(url):
+    """NATS: the default duplicate window is longer than the default lease (E030)."""
+    with override_settings(OUTBOX_BACKEND="", OUTBOX_BROKER_URL=url):
+        assert check_backend() == []
+
+
+@pytest.mark.once
+@pytest.mark.parametrize("backend", ["nats.NatsBackend", "redis.RedisBackend"])
+def test_a_stream_backend_with_an_amqp_url_is_e005(backend):
+    with override_settings(
+        OUTBOX_BACKEND=f"django_outbox.backends.{backend}",
+        OUTBOX_BROKER_URL="amqp://guest:guest@127.0.0.1/%2F",
+    ):
+        assert [e.id for e in check_backend()] == [Codes.BROKER_URL]
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    "urls, module",
+    [
+        (["nats://127.0.0.1:4222"], "nats"),
+        (["redis://127.0.0.1:6379/0", "rediss://127.0.0.1:6380/0"], "redis"),
+    ],
+)
+def test_a_transport_url_picks_its_consumer(urls, module):
+    for url in urls:
+        assert consumer_class(url) is import_module(f"django_outbox.consumer.{module}").Consumer
+
+
+@pytest.mark.parametrize(
+    "url, module", [("nats://127.0.0.1:4222", "nats"), ("redis://127.0.0.1:6379/0", "redis")]
+)
+def test_a_queue_type_is_refused_saying_why(url, module):
+    consumer = import_module(f"django_outbox.consumer.{module}").Consumer
+    with pytest.raises(ImproperlyConfiguredConsumer, match="RabbitMQ's"):
+        consumer(handlers=[AWARD], url=url, queue_type="quorum")
 
 
 @pytest.mark.once
@@ -174,6 +273,22 @@ def test_publish_n(side):
 
 
 @pytest.mark.once
+def test_batches_in_flight_are_collected_in_order(side):
+    side.prepare([AWARD])
+    rows = wire_rows(300)
+    with side.backend() as b:
+        for start in range(0, 300, 100):
+            b.send(rows[start : start + 100])
+        results = [b.wait() for _ in range(3)]
+        assert b.wait() == []
+    assert [len(r) for r in results] == [100, 100, 100]
+    assert all(r.ok for batch in results for r in batch)
+    stored = side.stored()
+    assert list(stored) == [r.event_id for r in rows]
+    assert set(stored.values()) == {1}
+
+
+@pytest.mark.once
 def test_a_broker_error_fails_that_row_only(side):
     side.prepare([AWARD])
     reason = side.refuse_order_paid()
@@ -196,9 +311,11 @@ def test_a_connection_cut_mid_batch_loses_nothing_and_sends_nothing_unanswered(s
             proxy.pause()
             b.send(rows)
             time.sleep(0.3)
+            started = time.monotonic()
             proxy.cut()
             proxy.resume()
             results = b.wait()
+            assert time.monotonic() - started < 5  # at once, not at the confirm timeout
             assert {r.reason for r in results} == {Reason.CONNECTION_LOST}
             assert not any(r.ok for r in results)  # nothing SENT without the answer
             b.close()  # as the relay does after a lost connection
@@ -207,6 +324,45 @@ def test_a_connection_cut_mid_batch_loses_nothing_and_sends_nothing_unanswered(s
         proxy.close()
     stored = side.stored()
     assert all(stored[r.event_id] >= 1 for r in rows)  # 0 lost
+    if side.dedupes:
+        assert all(stored[r.event_id] == 1 for r in rows)
+
+
+@pytest.mark.once
+def test_a_lost_connection_fails_every_batch_in_flight(side):
+    side.prepare([AWARD])
+    with TcpProxy.in_front_of(side.url) as (proxy, url), side.backend(url) as b:
+        b.publish(wire_rows(1, start=1000))
+        proxy.pause()
+        b.send(wire_rows(10))
+        b.send(wire_rows(10, start=11))
+        proxy.cut()
+        proxy.resume()
+        first, second = b.wait(), b.wait()
+    assert {r.reason for r in first + second} == {Reason.CONNECTION_LOST}
+
+
+@pytest.mark.once
+def test_no_server_is_broker_unavailable(stream_side):
+    with TcpProxy.in_front_of(stream_side.url) as (proxy, url):
+        proxy.refuse()
+        b = stream_side.backend(url, connect_timeout=1)
+        with pytest.raises(BrokerUnavailable, match=re.escape(stream_side.unreachable)):
+            b.send(wire_rows(1))
+        b.close()
+
+
+@pytest.mark.once
+def test_no_answer_within_the_confirm_timeout_is_a_timeout(stream_side):
+    with (
+        TcpProxy.in_front_of(stream_side.url) as (proxy, url),
+        stream_side.backend(url, confirm_timeout=0.5) as b,
+    ):
+        proxy.pause()  # the answers are held back
+        started = time.monotonic()
+        results = b.publish(wire_rows(10))
+        assert time.monotonic() - started < 3
+    assert {r.reason for r in results} == {Reason.TIMEOUT}
 
 
 @pytest.mark.transport
@@ -233,3 +389,68 @@ def test_dead_letter_after_the_limit(side):
         result = side.consumer([FAILING], max_retries=1).serve(until_idle=True)
     assert result.dead_lettered == 1
     assert side.dead_reasons() == ["failed 2 time(s): RuntimeError: boom after the write"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("message_format", [NATIVE, CLOUDEVENTS, CLOUDEVENTS_STRUCTURED])
+def test_each_format_the_relay_writes_is_read(stream_side, message_format):
+    traceparent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    event = unsaved_event(headers={"tenant": 5, "note": "ä b", "traceparent": traceparent})
+    with override_settings(OUTBOX_MESSAGE_FORMAT=message_format):
+        stream_side.publish(event)
+    consumer = stream_side.consumer([AWARD])
+    seen = []
+    original = consumer.dispatcher.process
+
+    def spy(received):
+        seen.append(received)
+        return original(received)
+
+    consumer.dispatcher.process = spy
+    result = consumer.serve(until_idle=True)
+    assert result.counts[Outcome.PROCESSED] == 1
+    assert result.formats[message_format] == 1
+    (received,) = seen
+    assert received.event_id == event.event_id
+    assert received.headers["tenant"] == 5
+    assert received.headers["note"] == "ä b"
+    assert received.headers["traceparent"] == traceparent
+    assert received.aggregate_id == event.aggregate_id
+    assert received.sequence == event.pk
+    if message_format == CLOUDEVENTS:
+        assert received.cloudevent["datacontenttype"] == "application/json"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stop_hands_each_fetched_message_back_once(stream_side):
+    stream_side.publish(*[unsaved_event(pk=n) for n in range(1, 6)])
+    consumer = stream_side.consumer([AWARD], prefetch=5, **stream_side.patient)
+    assert consumer.serve(max_messages=1).messages == 1
+    # Four were fetched with it and handed back: each is delivered again at once (Redis:
+    # claimable now, not after the visibility timeout), and counted once.
+    consumer = stream_side.consumer([AWARD], **stream_side.patient)
+    numbers = delivery_numbers(consumer)
+    assert consumer.serve(until_idle=True).counts[Outcome.PROCESSED] == 4
+    assert numbers == [2, 2, 2, 2]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_consumer_reconnects_after_the_connection_is_lost(stream_side):
+    stream_side.publish(unsaved_event(pk=1))
+    with TcpProxy.in_front_of(stream_side.url) as (proxy, url):
+        consumer = stream_side.consumer([AWARD], url=url, reconnect_max=0.2)
+        with serving(consumer) as results:
+            assert wait_for(lambda: PointsLedger.objects.count() == 1, timeout=20)
+            proxy.cut()
+            stream_side.publish(unsaved_event(pk=2))
+            assert wait_for(lambda: PointsLedger.objects.count() == 2, timeout=20)
+    assert results[0].counts[Outcome.PROCESSED] == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_one_pass_run_that_cannot_connect_gives_up_saying_why(stream_side):
+    with TcpProxy.in_front_of(stream_side.url) as (proxy, url):
+        proxy.refuse()
+        consumer = stream_side.unconnected_consumer(url)
+        with pytest.raises(BrokerUnreachable, match=re.escape(stream_side.unreachable)):
+            consumer.serve(until_idle=True)

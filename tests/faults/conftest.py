@@ -32,9 +32,8 @@ def _needs_row_locks(db_vendor: str) -> None:
 
 @pytest.fixture
 def procs(tmp_path: Path, broker: Broker) -> Iterator[Processes]:
-    p = Processes(tmp_path, broker)
-    yield p
-    p.cleanup()  # before the database is flushed: a frozen relay would hold its locks
+    with Processes(tmp_path, broker) as p:
+        yield p
 
 
 @pytest.fixture

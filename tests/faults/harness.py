@@ -152,6 +152,12 @@ class Processes:
             named.update(re.findall(r"event_id=([\w-]+) event_type=", text))
         return alerts, named
 
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cleanup()  # before the database is flushed: a frozen relay would hold its locks
+
     def cleanup(self) -> None:
         for child in self.children:
             if child.alive():
@@ -238,6 +244,41 @@ def wait_for(
             detail = f"\n{processes.tails()}" if processes else ""
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{detail}")
         time.sleep(every)
+
+
+def wait_for_sent(
+    count: int, *, timeout: float, what: str, processes: Processes, every: float = 0.05
+) -> None:
+    """Until at least ``count`` rows are SENT (all of them, when ``count`` is the total)."""
+    wait_for(
+        lambda: counts()["sent"] >= count,
+        timeout=timeout,
+        what=what,
+        processes=processes,
+        every=every,
+    )
+
+
+def kill_a_relay_mid_drain(processes: Processes, events: int, **settings: Any) -> int:
+    """A relay drains ``events`` in batches of 200 and is killed (-9) once a quarter is
+    SENT; returns how many were SENT at the kill (fewer than ``events``)."""
+    relay = processes.relay("--batch-size", "200", name="relay-1", **settings)
+    wait_for_sent(
+        events // 4, timeout=120, what="the first relay draining", processes=processes, every=0.005
+    )
+    relay.kill9()
+    sent_at_kill = counts()["sent"]
+    assert sent_at_kill < events
+    return sent_at_kill
+
+
+def finish_the_drain(processes: Processes, events: int, **settings: Any) -> None:
+    """A second relay (after a killed one's lease ran out) SENDs the rest and stops cleanly."""
+    again = processes.relay(name="relay-2", **settings)
+    wait_for_sent(
+        events, timeout=180, what="the second relay finishing the drain", processes=processes
+    )
+    assert again.stop() == 0, again.tail()
 
 
 # --- the verdict -------------------------------------------------------------------------

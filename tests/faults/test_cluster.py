@@ -11,7 +11,7 @@ test_failover.py cover the same failover on every run.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+from contextlib import closing
 
 import pytest
 
@@ -24,7 +24,7 @@ from tests.utils.cluster import Cluster
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
-from .harness import Processes, check_invariants, counts, emit, wait_for
+from .harness import check_invariants, counts, emit, wait_for
 
 CLUSTER_ENV = Cluster("AMQP_CLUSTER", "scripts/rabbitmq-cluster")
 CLUSTER = CLUSTER_ENV.urls
@@ -41,21 +41,17 @@ pytestmark = [
 @pytest.fixture
 def cluster() -> Iterator[Broker]:
     """The test's exchange and queues on the cluster, through node 3 (never stopped)."""
-    broker = Broker(CLUSTER[2])
-    yield broker
-    broker.close()
+    with closing(Broker(CLUSTER[2])) as broker:
+        yield broker
 
 
 @pytest.fixture
-def cluster_procs(tmp_path: Path, cluster: Broker) -> Iterator[Processes]:
-    p = Processes(tmp_path, cluster)
-    yield p
-    p.cleanup()
+def broker(cluster: Broker) -> Broker:
+    """The broker of ``procs`` (tests/faults/conftest.py): the cluster."""
+    return cluster
 
 
-def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(
-    cluster, cluster_procs, record
-):
+def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, procs, record):
     """The relay publishes through node 1; node 1 is stopped (rabbitmqctl stop_app: its
     connections are closed, new ones refused) while a backlog drains into a quorum queue.
     The relay goes on through node 2; every event is in the queue once at least, none SENT
@@ -63,13 +59,13 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(
     # Declared through node 3: the queue's leader is there, and a majority stays up.
     cluster.declare_queue("#", name=cluster.queue, durable=True, arguments=QUORUM)
     emit(3000)
-    relay = cluster_procs.relay("--batch-size", "25", name="relay", BROKER_URL=CLUSTER)
+    relay = procs.relay("--batch-size", "25", name="relay", BROKER_URL=CLUSTER)
     try:
         wait_for(
             lambda: counts()["sent"] >= 300,
             timeout=60,
             what="draining through node 1",
-            processes=cluster_procs,
+            processes=procs,
             every=0.01,
         )
         CLUSTER_ENV.node("stop", 1)
@@ -77,7 +73,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(
             lambda: counts()["sent"] == 3000,
             timeout=90,
             what="draining through node 2",
-            processes=cluster_procs,
+            processes=procs,
         )
         assert relay.stop() == 0, relay.tail()
     finally:

@@ -9,15 +9,12 @@ stored. On RabbitMQ the same kill leaves duplicates in the queue (test_crashes.p
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from django_outbox.models import OutboxEvent
 from tests.utils.nats import NatsBroker, relay_settings
 
-from .harness import Processes, counts, emit, wait_for
+from .harness import emit, finish_the_drain, kill_a_relay_mid_drain
 
 pytestmark = [pytest.mark.slow, pytest.mark.transport, pytest.mark.django_db(transaction=True)]
 
@@ -25,40 +22,21 @@ EVENTS = 20_000
 
 
 @pytest.fixture
-def nats_procs(tmp_path: Path, nats_broker: NatsBroker) -> Any:
-    p = Processes(tmp_path, nats_broker)  # type: ignore[arg-type]  # its url and exchange
-    yield p
-    p.cleanup()
+def broker(nats_broker: NatsBroker) -> NatsBroker:
+    """The broker of ``procs`` (tests/faults/conftest.py): this test's NATS stream."""
+    return nats_broker
 
 
-def test_a_relay_killed_mid_drain_and_restarted_leaves_exactly_n_messages(nats_broker, nats_procs):
+def test_a_relay_killed_mid_drain_and_restarted_leaves_exactly_n_messages(nats_broker, procs):
     ids = emit(EVENTS)
     settings = relay_settings(nats_broker)
-    relay = nats_procs.relay("--batch-size", "200", name="relay-1", **settings)
-    wait_for(
-        lambda: counts()["sent"] >= EVENTS // 4,
-        timeout=120,
-        what="the first relay draining",
-        processes=nats_procs,
-        every=0.005,
-    )
-    relay.kill9()
-    sent_at_kill = counts()["sent"]
+    sent_at_kill = kill_a_relay_mid_drain(procs, EVENTS, **settings)
     stored_at_kill = nats_broker.count()
     # In flight when it died: acked by JetStream, not marked SENT. The next relay
     # publishes them again.
     assert stored_at_kill > sent_at_kill, (stored_at_kill, sent_at_kill)
-    assert sent_at_kill < EVENTS
 
-    again = nats_procs.relay(name="relay-2", **settings)
-    wait_for(
-        lambda: counts()["sent"] == EVENTS,
-        timeout=180,
-        what="the second relay finishing the drain",
-        processes=nats_procs,
-    )
-    assert again.stop() == 0, again.tail()
-
+    finish_the_drain(procs, EVENTS, **settings)
     stored = nats_broker.collect()
     assert nats_broker.count() == EVENTS
     assert sorted(stored) == sorted(ids)

@@ -11,7 +11,7 @@ skipped.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+from contextlib import closing
 
 import pytest
 
@@ -25,7 +25,7 @@ from tests.utils.nats import NatsBroker, make_nats_consumer, publish_events, rel
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
-from .harness import Processes, counts, emit, wait_for
+from .harness import counts, emit, wait_for
 
 CLUSTER_ENV = Cluster("NATS_CLUSTER", "scripts/nats-cluster")
 CLUSTER = CLUSTER_ENV.urls
@@ -41,27 +41,25 @@ pytestmark = [
 @pytest.fixture
 def cluster() -> Iterator[NatsBroker]:
     """The test's stream, three replicas, through node 3 (never stopped)."""
-    broker = NatsBroker(CLUSTER[2])
-    broker.declare_stream(num_replicas=3, duplicate_window=120)
-    yield broker
-    broker.close()
+    with closing(NatsBroker(CLUSTER[2])) as broker:
+        broker.declare_stream(num_replicas=3, duplicate_window=120)
+        yield broker
 
 
 @pytest.fixture
-def cluster_procs(tmp_path: Path, cluster: NatsBroker) -> Iterator[Processes]:
-    p = Processes(tmp_path, cluster)  # type: ignore[arg-type]  # its url and exchange
-    yield p
-    p.cleanup()
+def broker(cluster: NatsBroker) -> NatsBroker:
+    """The broker of ``procs`` (tests/faults/conftest.py): the cluster's stream."""
+    return cluster
 
 
-def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cluster_procs):
+def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, procs):
     """The relay publishes through node 1; node 1 is stopped while a backlog drains into a
     stream of three replicas. The relay goes on through node 2: every event is in the
     stream, once (the duplicate window drops what is published again), and no row is SENT
     that the stream did not ack."""
     total = 5000
     ids = emit(total)
-    relay = cluster_procs.relay(
+    relay = procs.relay(
         "--batch-size",
         "100",
         name="relay",
@@ -72,7 +70,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cl
             lambda: counts()["sent"] >= 1000,
             timeout=60,
             what="draining through node 1",
-            processes=cluster_procs,
+            processes=procs,
             every=0.01,
         )
         CLUSTER_ENV.node("stop", 1)
@@ -80,7 +78,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, cl
             lambda: counts()["sent"] == total,
             timeout=120,
             what="draining through node 2",
-            processes=cluster_procs,
+            processes=procs,
         )
         assert relay.stop() == 0, relay.tail()
     finally:

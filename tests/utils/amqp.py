@@ -22,6 +22,7 @@ from django_outbox.message import CONTENT_TYPE, encode_body, encode_headers
 from django_outbox.models import OutboxEvent
 from tests.utils.subprocess import manage_command
 from tests.utils.threads import db_thread
+from tests.utils.transport import connected_consumer
 
 AWARD = "points.handlers.AwardPointsHandler"
 
@@ -158,17 +159,7 @@ class Broker:
 def make_consumer(broker: Broker, handlers: Sequence[str] = (AWARD,), **options: Any) -> Consumer:
     """A Consumer of ``handlers`` on the broker's queue and exchange, connected: the queue,
     its dead-letter queue and the bindings are declared. No pause before a retry."""
-    options.setdefault("retry_delay", 0)
-    options.setdefault("url", broker.url)
-    consumer = Consumer(
-        handlers=list(handlers),
-        queue=broker.queue,
-        exchange=broker.exchange,
-        idle_timeout=0.5,
-        **options,
-    )
-    consumer.connect()
-    return consumer
+    return connected_consumer(Consumer, broker, handlers, exchange=broker.exchange, **options)
 
 
 def consume(

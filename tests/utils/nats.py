@@ -21,6 +21,7 @@ from nats.js.api import StreamConfig
 from django_outbox._compat.nats import LoopThread
 from django_outbox.consumer.nats import Consumer
 from django_outbox.models import OutboxEvent
+from tests.utils.transport import connected_consumer, publish_all, relay_settings_for
 
 AWARD = "points.handlers.AwardPointsHandler"
 
@@ -100,13 +101,9 @@ class NatsBroker:
 def relay_settings(broker: NatsBroker, **settings: Any) -> dict[str, Any]:
     """OUTBOX_* settings (without the prefix) of a relay process on the broker's stream
     (tests.faults.harness.Processes)."""
-    return {
-        "BACKEND": "django_outbox.backends.nats.NatsBackend",
-        "BROKER_URL": broker.url,
-        "EXCHANGE": broker.prefix,
-        "NATS_STREAM": broker.stream,
-        **settings,
-    }
+    return relay_settings_for(
+        "django_outbox.backends.nats.NatsBackend", broker, NATS_STREAM=broker.stream, **settings
+    )
 
 
 def make_nats_consumer(
@@ -114,24 +111,13 @@ def make_nats_consumer(
 ) -> Consumer:
     """A NATS Consumer of ``handlers`` on the broker's stream and queue, connected (the
     stream must exist). No pause before a retry."""
-    options.setdefault("retry_delay", 0)
-    options.setdefault("url", broker.url)
-    consumer = Consumer(
-        handlers=list(handlers),
-        queue=broker.queue,
-        exchange=broker.prefix,
-        stream=broker.stream,
-        idle_timeout=0.5,
-        **options,
+    return connected_consumer(
+        Consumer, broker, handlers, exchange=broker.prefix, stream=broker.stream, **options
     )
-    consumer.connect()
-    return consumer
 
 
 def publish_events(broker: NatsBroker, *events: OutboxEvent, **options: Any) -> None:
     """Publish ``events`` as the relay does (through the NATS backend)."""
     from django_outbox.backends.nats import NatsBackend
 
-    with NatsBackend(**broker.backend_options(**options)) as backend:
-        results = backend.publish(list(events))
-    assert all(r.ok for r in results), results
+    publish_all(NatsBackend(**broker.backend_options(**options)), events)

@@ -17,6 +17,8 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -53,6 +55,16 @@ class TcpProxy:
         auth = parts.netloc.rpartition("@")[0]
         netloc = f"{auth + '@' if auth else ''}127.0.0.1:{proxy.port}"
         return proxy, urlunsplit(parts._replace(netloc=netloc))
+
+    @classmethod
+    @contextmanager
+    def in_front_of(cls, url: str) -> Iterator[tuple[TcpProxy, str]]:
+        """:meth:`for_url`, closed at the end of the block."""
+        proxy, proxied_url = cls.for_url(url)
+        try:
+            yield proxy, proxied_url
+        finally:
+            proxy.close()
 
     def _accept(self) -> None:
         while not self._closed:

@@ -21,6 +21,7 @@ import redis
 
 from django_outbox.consumer.redis import Consumer
 from django_outbox.models import OutboxEvent
+from tests.utils.transport import connected_consumer, publish_all, relay_settings_for
 
 AWARD = "points.handlers.AwardPointsHandler"
 
@@ -75,12 +76,7 @@ class RedisBroker:
 def relay_settings(broker: RedisBroker, **settings: Any) -> dict[str, Any]:
     """OUTBOX_* settings (without the prefix) of a relay process on the broker's streams
     (tests.faults.harness.Processes)."""
-    return {
-        "BACKEND": "django_outbox.backends.redis.RedisBackend",
-        "BROKER_URL": broker.url,
-        "EXCHANGE": broker.prefix,
-        **settings,
-    }
+    return relay_settings_for("django_outbox.backends.redis.RedisBackend", broker, **settings)
 
 
 def make_redis_consumer(
@@ -88,26 +84,14 @@ def make_redis_consumer(
 ) -> Consumer:
     """A Redis Consumer of ``handlers`` on the broker's streams and group, connected. No
     pause before a retry."""
-    options.setdefault("retry_delay", 0)
-    options.setdefault("url", broker.url)
-    consumer = Consumer(
-        handlers=list(handlers),
-        queue=broker.queue,
-        exchange=broker.prefix,
-        idle_timeout=0.5,
-        **options,
-    )
-    consumer.connect()
-    return consumer
+    return connected_consumer(Consumer, broker, handlers, exchange=broker.prefix, **options)
 
 
 def publish_events(broker: RedisBroker, *events: OutboxEvent, **options: Any) -> None:
     """Publish ``events`` as the relay does (through the Redis backend)."""
     from django_outbox.backends.redis import RedisBackend
 
-    with RedisBackend(**broker.backend_options(**options)) as backend:
-        results = backend.publish(list(events))
-    assert all(r.ok for r in results), results
+    publish_all(RedisBackend(**broker.backend_options(**options)), events)
 
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
