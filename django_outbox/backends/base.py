@@ -373,9 +373,13 @@ class AmqpBackend(BaseBackend):
         self.exchange_passive = (
             outbox_settings.EXCHANGE_PASSIVE if exchange_passive is None else exchange_passive
         )
-        self.confirm_timeout = float(
-            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
-        )
-        self.connect_timeout = float(
-            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        )
+        self.confirm_timeout, self.connect_timeout = timeouts(confirm_timeout, connect_timeout)
+
+
+def timeouts(confirm_timeout: float | None, connect_timeout: float | None) -> tuple[float, float]:
+    """A backend's ``confirm_timeout`` and ``connect_timeout`` in seconds, each defaulting
+    to its setting (OUTBOX_CONFIRM_TIMEOUT, OUTBOX_CONNECT_TIMEOUT)."""
+    return (
+        float(outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout),
+        float(outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout),
+    )

@@ -48,9 +48,7 @@ from ..formats import NATS_BINDING, get_format
 from ..masking import mask_urls_in
 from ..message import TYPE_HEADER, encode_text_headers, escape_header_value
 from ..transports import NATS
-from ..worker import BrokerNodes
 from .base import (
-    BaseBackend,
     BrokerUnavailable,
     PublishResult,
     Reason,
@@ -58,6 +56,7 @@ from .base import (
     RouteCheck,
     describe_error,
 )
+from .nodes import NodeProblem, NodesBackend
 
 if NATS.missing():
     raise ImportError(NATS.missing())
@@ -134,10 +133,6 @@ def _stream_error(name: str, value: Any, problem: str) -> CheckMessage:
     )
 
 
-class _NodeProblem(Exception):
-    """One NATS node could not be connected to; the text says why."""
-
-
 def subject_for(prefix: str, key: str) -> str:
     """The subject of an event with routing key ``key``: ``<prefix>.<key>``, or ``key``
     when the prefix (``OUTBOX_EXCHANGE``) is empty."""
@@ -192,7 +187,7 @@ async def declare_stream(js: JetStreamContext, config: StreamConfig) -> str:
     return f"using stream {config.name!r} (subjects {', '.join(existing.subjects or [])})"
 
 
-class NatsBackend(BaseBackend):
+class NatsBackend(NodesBackend):
     """Publish outbox events into a JetStream stream, each acked by the stream.
 
     Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting: ``broker_url``
@@ -204,36 +199,30 @@ class NatsBackend(BaseBackend):
     ``routing_key_func``.
     """
 
-    url_setting = "OUTBOX_BROKER_URL"
+    broker_name = "NATS"
+    transport = NATS
+    url_hint = (
+        "Use the URL of a NATS server with JetStream, e.g. "
+        "'nats://user:password@nats:4222' (tls:// for TLS)."
+    )
 
     def __init__(
         self,
         *,
-        broker_url: str | Sequence[str] | None = None,
         stream: str | None = None,
         subjects: Sequence[str] | None = None,
         replicas: int | None = None,
         duplicate_window: float | None = None,
-        confirm_timeout: float | None = None,
-        connect_timeout: float | None = None,
-        **options: Any,
+        **options: Any,  # broker_url, confirm_timeout, connect_timeout: see NodesBackend
     ) -> None:
         super().__init__(**options)
         self.message_format = get_format(binding=NATS_BINDING)
-        self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
-        self.nodes = BrokerNodes(self.broker_url)
         self.stream = outbox_settings.NATS_STREAM if stream is None else stream
         subjects = outbox_settings.NATS_SUBJECTS if subjects is None else subjects
         self.subjects = list(subjects) or [subject_for(self.exchange, ">")]
         self.replicas = int(outbox_settings.NATS_REPLICAS if replicas is None else replicas)
         self.duplicate_window = float(
             outbox_settings.NATS_DUPLICATE_WINDOW if duplicate_window is None else duplicate_window
-        )
-        self.confirm_timeout = float(
-            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
-        )
-        self.connect_timeout = float(
-            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
         )
 
         self._loop: LoopThread | None = None
@@ -256,26 +245,13 @@ class NatsBackend(BaseBackend):
         fixed.append(b"Content-Type: " + self.message_format.content_type.encode())
         self._fixed = b"\r\n".join(fixed) + b"\r\n"
 
-    @property
-    def masked_url(self) -> str:
-        return self.nodes.masked
-
     def __repr__(self) -> str:
         return f"<NatsBackend {self.nodes} stream={self.stream!r}>"
 
     # -- configuration checks --------------------------------------------------------------
     @classmethod
-    def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import broker_url_problems
-
-        return (
-            broker_url_problems(
-                NATS,
-                "Use the URL of a NATS server with JetStream, e.g. "
-                "'nats://user:password@nats:4222' (tls:// for TLS).",
-            )
-            + _stream_problems()
-        )
+    def settings_problems(cls) -> list[CheckMessage]:
+        return _stream_problems()
 
     # -- connection ------------------------------------------------------------------------
     def open(self) -> None:
@@ -289,38 +265,25 @@ class NatsBackend(BaseBackend):
         if self._loop is None or not self._loop.alive:
             self._loop = LoopThread("django-outbox-nats")
         loop = self._loop
-        problems: list[str] = []
 
         def attempt() -> None:
-            node = self.nodes.name()
             started = time.monotonic()
             try:
                 done = loop.run(self._connect(self.nodes.current), self.connect_timeout * 2)
             except Exception as exc:
-                problem = _describe(exc)
-                problems.append(f"{node}: {problem}")
-                raise _NodeProblem(problem) from None
+                raise NodeProblem(_describe(exc)) from None
             logger.info(
-                "connected to %s, %s (%.0f ms)", node, done, (time.monotonic() - started) * 1000
-            )
-
-        def on_next(node: str, problem: Exception) -> None:
-            logger.warning(
-                "cannot connect to NATS at %s: %s; trying the next node, %s",
-                node,
-                problem,
+                "connected to %s, %s (%.0f ms)",
                 self.nodes.name(),
+                done,
+                (time.monotonic() - started) * 1000,
             )
 
-        try:
-            self.nodes.connect(attempt, errors=_NodeProblem, on_next=on_next)
-        except _NodeProblem:
-            where = "NATS at " if len(problems) == 1 else f"any NATS node of {self.url_setting}: "
-            raise BrokerUnavailable(
-                f"cannot connect to {where}{'; '.join(problems)}. Check that the server runs "
-                f"with JetStream enabled and {self.url_setting} (host, port, credentials) is "
-                "right; the relay retries with backoff."
-            ) from None
+        self.connect_to_a_node(
+            attempt,
+            check=f"Check that the server runs with JetStream enabled and {self.url_setting} "
+            "(host, port, credentials) is right; the relay retries with backoff.",
+        )
 
     async def _connect(self, url: str) -> str:
         client = nats.NATS()
@@ -402,13 +365,6 @@ class NatsBackend(BaseBackend):
                 where += f" (read by {', '.join(names)})"
             routes.append(Route(key, (where,)))
         return routes
-
-    def next_node(self) -> bool:
-        lost = self.nodes.name()
-        at_once = self.nodes.failed()
-        if at_once:
-            logger.warning("NATS at %s is lost; failing over to %s", lost, self.nodes.name())
-        return at_once
 
     def close(self) -> None:
         self.abandon()

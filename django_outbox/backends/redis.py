@@ -50,9 +50,7 @@ from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..formats import NATS_BINDING, get_format
 from ..message import encode_json
 from ..transports import REDIS
-from ..worker import BrokerNodes
 from .base import (
-    BaseBackend,
     BrokerUnavailable,
     PublishResult,
     Reason,
@@ -60,6 +58,7 @@ from .base import (
     RouteCheck,
     describe_error,
 )
+from .nodes import NodeProblem, NodesBackend
 
 if REDIS.missing():
     raise ImportError(REDIS.missing())
@@ -116,7 +115,7 @@ def _redis_error(name: str, value: Any, problem: str) -> CheckMessage:
     )
 
 
-class RedisBackend(BaseBackend):
+class RedisBackend(NodesBackend):
     """Append outbox events to Redis streams, each answered by Redis.
 
     Options (``OUTBOX_BACKEND_OPTIONS``), each defaulting to its setting: ``broker_url``
@@ -128,58 +127,38 @@ class RedisBackend(BaseBackend):
     ``routing_key_func``.
     """
 
-    url_setting = "OUTBOX_BROKER_URL"
+    broker_name = "Redis"
+    transport = REDIS
+    url_hint = (
+        "Use the URL of a Redis server, e.g. 'redis://:password@redis:6379/0' (rediss:// for TLS)."
+    )
 
     def __init__(
         self,
         *,
-        broker_url: str | Sequence[str] | None = None,
         streams: dict[str, str] | None = None,
         maxlen: int | None = None,
-        confirm_timeout: float | None = None,
-        connect_timeout: float | None = None,
-        **options: Any,
+        **options: Any,  # broker_url, confirm_timeout, connect_timeout: see NodesBackend
     ) -> None:
         super().__init__(**options)
         # Binary-mode CloudEvents carry their attributes as ce- headers, datacontenttype
         # among them, as the bindings of transports without AMQP properties do.
         self.message_format = get_format(binding=NATS_BINDING)
-        self.broker_url = outbox_settings.BROKER_URL if broker_url is None else broker_url
-        self.nodes = BrokerNodes(self.broker_url)
         self.streams = dict(outbox_settings.REDIS_STREAMS if streams is None else streams)
         self.maxlen = outbox_settings.REDIS_MAXLEN if maxlen is None else maxlen
-        self.confirm_timeout = float(
-            outbox_settings.CONFIRM_TIMEOUT if confirm_timeout is None else confirm_timeout
-        )
-        self.connect_timeout = float(
-            outbox_settings.CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        )
         self._connection: Any = None
         self._inflight: deque[_Batch] = deque()
         self._lost = ""  # why the connection went away under batches in flight
         # The XADD's first words per routing key: XADD <stream> [MAXLEN ~ n] *.
         self._heads: dict[str, list[Any]] = {}
 
-    @property
-    def masked_url(self) -> str:
-        return self.nodes.masked
-
     def __repr__(self) -> str:
         return f"<RedisBackend {self.nodes}>"
 
     # -- configuration checks --------------------------------------------------------------
     @classmethod
-    def check(cls, **kwargs: Any) -> list[CheckMessage]:
-        from ..checks import broker_url_problems
-
-        return (
-            broker_url_problems(
-                REDIS,
-                "Use the URL of a Redis server, e.g. 'redis://:password@redis:6379/0' "
-                "(rediss:// for TLS).",
-            )
-            + _settings_problems()
-        )
+    def settings_problems(cls) -> list[CheckMessage]:
+        return _settings_problems()
 
     # -- connection ------------------------------------------------------------------------
     def open(self) -> None:
@@ -189,34 +168,16 @@ class RedisBackend(BaseBackend):
             return
         if not self.nodes:
             raise BrokerUnavailable(f"{BROKER_URL_EMPTY} {BROKER_URL_EMPTY_HINT}")
-        problems: list[str] = []
 
         def attempt() -> None:
-            node = self.nodes.name()
-            try:
-                self._connection = self._connect(self.nodes.current)
-            except _NodeProblem as exc:
-                problems.append(f"{node}: {exc}")
-                raise
-            logger.info("connected to Redis at %s", node)
+            self._connection = self._connect(self.nodes.current)
+            logger.info("connected to Redis at %s", self.nodes.name())
 
-        def on_next(node: str, problem: Exception) -> None:
-            logger.warning(
-                "cannot use Redis at %s: %s; trying the next node, %s",
-                node,
-                problem,
-                self.nodes.name(),
-            )
-
-        try:
-            self.nodes.connect(attempt, errors=_NodeProblem, on_next=on_next)
-        except _NodeProblem:
-            where = "Redis at " if len(problems) == 1 else f"any Redis node of {self.url_setting}: "
-            raise BrokerUnavailable(
-                f"cannot connect to {where}{'; '.join(problems)}. Check that the server runs "
-                f"and {self.url_setting} (host, port, password, database) is right; the relay "
-                "retries with backoff."
-            ) from None
+        self.connect_to_a_node(
+            attempt,
+            check=f"Check that the server runs and {self.url_setting} (host, port, password, "
+            "database) is right; the relay retries with backoff.",
+        )
         self._lost = ""
 
     def _connect(self, url: str) -> Any:
@@ -225,26 +186,19 @@ class RedisBackend(BaseBackend):
                 url, connect_timeout=self.connect_timeout, timeout=self.confirm_timeout
             )
         except (redis.exceptions.RedisError, OSError, ValueError) as exc:
-            raise _NodeProblem(describe(exc)) from None
+            raise NodeProblem(describe(exc)) from None
         try:
             # A replica (after a failover, the old primary) would refuse every XADD.
             write_commands(connection, [["ROLE"]])
             role = read_answer(connection)
         except (redis.exceptions.RedisError, OSError) as exc:
             connection.disconnect()
-            raise _NodeProblem(describe(exc)) from None
+            raise NodeProblem(describe(exc)) from None
         kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
         if kind != "master":
             connection.disconnect()
-            raise _NodeProblem(f"the node is a {kind}, which takes no writes")
+            raise NodeProblem(f"the node is a {kind}, which takes no writes")
         return connection
-
-    def next_node(self) -> bool:
-        lost = self.nodes.name()
-        at_once = self.nodes.failed()
-        if at_once:
-            logger.warning("Redis at %s is lost; failing over to %s", lost, self.nodes.name())
-        return at_once
 
     def close(self) -> None:
         self.abandon()
@@ -433,10 +387,6 @@ def _group_name(group: Any) -> str:
         fields = dict(zip(group[::2], group[1::2], strict=False))
         name = fields.get(b"name", fields.get("name", b""))
     return name.decode() if isinstance(name, bytes) else str(name)
-
-
-class _NodeProblem(Exception):
-    """One Redis node could not be used; the text says why."""
 
 
 class _Batch:
