@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import subprocess
 import time
@@ -112,28 +113,23 @@ def sample_row(aggregate_id: int, **fields: Any) -> Any:
 
 
 def main_of_a_raw_client(
-    argv: list[str] | None,
-    description: str,
-    *,
-    url: str,
-    client: str,
-    what: str,
-    label: str,
-    knob: str,
-    values: tuple[int, ...],
-    rate: Callable[..., float],
+    argv: list[str] | None, doc: str, client: str, rate: Callable[..., float], **knob: Any
 ) -> None:
-    """The ``main()`` of a raw client's baseline: ``--<knob>s`` takes a comma list of the
-    values to try (0: no limit); one report line per value, the best of ``--repeat``."""
-    p = parser(description)
-    p.set_defaults(url=url)
-    p.add_argument(f"--{knob}s", default=",".join(map(str, values)))
+    """The ``main()`` of a raw client's baseline, ``rate(count, url=, <knob>=)``: the one
+    keyword ``knob`` names the setting tried and its default values (0: no limit), e.g.
+    ``window=(0, 1000)``; ``--<knob>s`` takes a comma list of them. One report line per
+    value, the best of ``--repeat``; ``--url`` defaults to ``rate``'s own. ``doc`` is the
+    script's docstring, ``client`` names the client in the output."""
+    ((name, values),) = knob.items()
+    p = parser(doc.splitlines()[0])
+    p.set_defaults(url=inspect.signature(rate).parameters["url"].default)
+    p.add_argument(f"--{name}s", default=",".join(map(str, values)))
     args = p.parse_args(argv)
     count = count_from(args)
-    print(f"{client}: {mask_url(args.url)}, {count:,} {what}, {args.repeat} run(s)")
-    for value in (int(v) for v in getattr(args, f"{knob}s").split(",")):
-        best = best_of(args.repeat, lambda v=value: rate(count, url=args.url, **{knob: v}))
-        report(f"{label}, {knob} {value or 'all'}", best, count=count)
+    print(f"{client}: {mask_url(args.url)}, {count:,} messages, {args.repeat} run(s)")
+    for value in (int(v) for v in getattr(args, f"{name}s").split(",")):
+        best = best_of(args.repeat, lambda v=value: rate(count, url=args.url, **{name: v}))
+        report(f"{client}, {name} {value or 'all'}", best, count=count)
 
 
 # -- timing and memory -------------------------------------------------------------------

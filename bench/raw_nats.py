@@ -142,17 +142,7 @@ def best_raw_nats_rate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    main_of_a_raw_client(
-        argv,
-        __doc__.splitlines()[0],
-        url=DEFAULT_NATS_URL,
-        client="raw nats-py",
-        what="messages",
-        label="publish_async",
-        knob="window",
-        values=DEFAULT_WINDOWS,
-        rate=raw_nats_rate,
-    )
+    main_of_a_raw_client(argv, __doc__, "raw nats-py", raw_nats_rate, window=DEFAULT_WINDOWS)
 
 
 if __name__ == "__main__":

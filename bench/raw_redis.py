@@ -108,17 +108,7 @@ def best_raw_redis_rate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    main_of_a_raw_client(
-        argv,
-        __doc__.splitlines()[0],
-        url=DEFAULT_REDIS_URL,
-        client="raw redis-py",
-        what="entries",
-        label="pipelined XADD",
-        knob="depth",
-        values=DEFAULT_DEPTHS,
-        rate=raw_redis_rate,
-    )
+    main_of_a_raw_client(argv, __doc__, "raw redis-py", raw_redis_rate, depth=DEFAULT_DEPTHS)
 
 
 if __name__ == "__main__":
