@@ -7,6 +7,8 @@ one line that names the database, never exit 1 and a hundred lines of driver tra
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -119,13 +121,27 @@ def require_outbox_table(command: str, using: str) -> None:
         )
 
 
+def command_help(doc: str) -> str:
+    """A command's ``--help`` text from its module's docstring, so that what it does and
+    its exit codes are written once: every paragraph but the first (the "manage.py name:
+    ..." title), without the reST markup; argparse reflows it."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")[1:]
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs).replace("``", "")
+
+
 class DatabaseCommand(BaseCommand):
-    """A command whose work needs the database: it connects before anything else.
+    """A command whose work needs the database: it connects before anything else. Its
+    ``help`` is its module's docstring (:func:`command_help`).
 
     Before Django's system checks too, which open a connection on MySQL/MariaDB and would
     end in a driver traceback and exit 1. A database down at start is most often a wrong
     DATABASE_URL; the long-running commands ride out a later outage with backoff instead.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "help" not in vars(cls):
+            cls.help = command_help(sys.modules[cls.__module__].__doc__ or "")
 
     #: Whether the run needs the outbox table on its databases (consume_outbox does not).
     needs_outbox_table = True

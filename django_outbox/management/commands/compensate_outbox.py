@@ -1,5 +1,8 @@
 """manage.py compensate_outbox: one pass over stale PENDING rows, then exit (a CronJob).
 
+Deliver PENDING outbox events the relay left behind (older than --stale-after), at most
+--max-batch, then exit. Meant for a Kubernetes CronJob every 5 minutes.
+
 Exit codes: 0 nothing failed; 1 some events failed or went DEAD; 2 misconfigured, or the
 database or broker unreachable.
 """
@@ -20,10 +23,6 @@ __all__ = ["Command", "stale_source"]
 
 
 class Command(DatabaseCommand):
-    help = (
-        "Deliver PENDING outbox events the relay left behind (older than --stale-after), "
-        "at most --max-batch, then exit. Meant for a Kubernetes CronJob every 5 minutes."
-    )
     publishes = True
 
     def add_arguments(self, parser: CommandParser) -> None:

@@ -1,5 +1,9 @@
 """manage.py consume_outbox: run the IdempotentHandlers over a RabbitMQ queue.
 
+Consume outbox events from RabbitMQ and run the IdempotentHandlers, acknowledging each
+message only after its handler's transaction committed. Runs until SIGTERM/SIGINT (the
+message in hand is finished; a second signal exits 1).
+
 Exit codes: 0 stopped by a signal, or ``--once``/``--max-messages`` done; 1 a second
 signal; 2 misconfigured, the handlers' database unreachable or unmigrated at start, or
 (``--once``) no broker node could be connected to.
@@ -27,12 +31,6 @@ if TYPE_CHECKING:
 
 
 class Command(ConsumerCommand):
-    help = (
-        "Consume outbox events from RabbitMQ and run the IdempotentHandlers, acknowledging "
-        "each message only after its handler's transaction committed. Runs until "
-        "SIGTERM/SIGINT (the message in hand is finished; a second signal exits 1)."
-    )
-
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--queue",

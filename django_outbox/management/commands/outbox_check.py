@@ -29,11 +29,6 @@ RECENT = timedelta(days=7)
 
 
 class Command(DatabaseCommand):
-    help = (
-        "Check that the outbox can work: the database and its outbox table, the broker and "
-        "its exchange, and for each known event type whether a queue is bound. Exit 0 all "
-        "well, 1 an event type has no queue, 2 unreachable or misconfigured."
-    )
     publishes = True
 
     def add_arguments(self, parser: CommandParser) -> None:

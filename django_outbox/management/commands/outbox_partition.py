@@ -32,12 +32,6 @@ MOMENT = "%Y-%m-%d %H:%M:%S"
 
 
 class Command(DatabaseCommand):
-    help = (
-        "PostgreSQL: partition the outbox table by time (--convert), or create the next "
-        "partitions and list them. purge_outbox then drops old partitions that hold SENT "
-        "rows only."
-    )
-
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--convert",

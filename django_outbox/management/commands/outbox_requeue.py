@@ -1,5 +1,9 @@
 """manage.py outbox_requeue: redrive dead letters, or replay sent events, in bulk.
 
+Requeue outbox events in bulk: DEAD ones by default (a redrive), PENDING ones in retry
+backoff, or SENT ones (a replay: published again with the same event_id and an
+x-outbox-replay header). They become due now with retry_count 0, in batches.
+
 Exit codes: 0 done (also when nothing matched, and for a dry run); 2 misconfigured (an
 option that makes no sense, an unknown database alias) or the database unreachable.
 """
@@ -19,12 +23,6 @@ from ..options import moment, positive_int
 
 
 class Command(DatabaseCommand):
-    help = (
-        "Requeue outbox events in bulk: DEAD ones by default (a redrive), PENDING ones in "
-        "retry backoff, or SENT ones (a replay: published again with the same event_id and "
-        "an x-outbox-replay header). They become due now with retry_count 0, in batches."
-    )
-
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--status",

@@ -1,5 +1,9 @@
 """manage.py outbox_stats: the outbox's health figures in the terminal, or as a gate.
 
+Print the outbox's health figures (PENDING, DEAD, oldest PENDING age, SENT in the window)
+and the status x retry_count triage table. With thresholds, exit 1 when one is crossed, so
+it can gate a deployment or run as a check.
+
 Exit codes: 0 all figures within the thresholds given (or none given), 1 a threshold was
 crossed, 2 the database could not be read (the message says what to check).
 """
@@ -19,12 +23,6 @@ from ..options import duration, non_negative_int
 
 
 class Command(DatabaseCommand):
-    help = (
-        "Print the outbox's health figures (PENDING, DEAD, oldest PENDING age, SENT in the "
-        "window) and the status x retry_count triage table. With thresholds, exit 1 when "
-        "one is crossed, so it can gate a deployment or run as a check."
-    )
-
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", help="Print one JSON object.")
         parser.add_argument(

@@ -1,5 +1,9 @@
 """manage.py outbox_worker: run the Django tasks enqueued on the outbox (docs/tasks.md).
 
+Run the Django tasks of an OutboxTaskBackend: read each task queue from the broker and run
+its tasks, recording each result with the task's own writes. Runs until SIGTERM/SIGINT
+(the task in hand is finished; a second signal exits 1).
+
 The consumer engine of ``consume_outbox`` with the task handler
 (``django_outbox.tasks_worker``): one broker queue per task queue, ``--concurrency``
 consumers (threads) on each.
@@ -27,12 +31,6 @@ if TYPE_CHECKING:
 
 
 class Command(ConsumerCommand):
-    help = (
-        "Run the Django tasks of an OutboxTaskBackend: read each task queue from the broker "
-        "and run its tasks, recording each result with the task's own writes. Runs until "
-        "SIGTERM/SIGINT (the task in hand is finished; a second signal exits 1)."
-    )
-
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--backend",

@@ -1,5 +1,8 @@
 """manage.py publish_outbox: the long-running relay (several replicas are safe).
 
+Relay committed outbox events to the broker, marking them SENT only after the broker
+confirmed them. Runs until SIGTERM/SIGINT; --once drains what is due and exits.
+
 Exit codes: 0 stopped by a signal (``--once``: nothing failed); 1 a second signal
 (``--once``: some events failed); 2 misconfigured, the database unreachable at start
 (``--once``: at any point), or with ``--once`` the broker unreachable.
@@ -24,10 +27,6 @@ logger = logging.getLogger("django_outbox.relay")
 
 
 class Command(DatabaseCommand):
-    help = (
-        "Relay committed outbox events to the broker, marking them SENT only after the "
-        "broker confirmed them. Runs until SIGTERM/SIGINT; --once drains what is due and exits."
-    )
     publishes = True
 
     def add_arguments(self, parser: CommandParser) -> None:

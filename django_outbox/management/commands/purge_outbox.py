@@ -1,6 +1,10 @@
 """manage.py purge_outbox: delete old SENT outbox rows and old inbox rows in batches (a
 daily CronJob).
 
+Delete SENT outbox rows older than the retention (OUTBOX_RETENTION_DAYS, 7) in batches;
+DEAD rows only with --include-dead. PENDING rows are never deleted. Inbox rows go after
+OUTBOX_INBOX_RETENTION_DAYS (14), never sooner than SENT rows.
+
 Exit codes: 0 done (also when nothing was old enough); 2 misconfigured (retention below 3
 days without --force) or the database unreachable.
 """
@@ -19,12 +23,6 @@ from ..options import days, positive_int
 
 
 class Command(DatabaseCommand):
-    help = (
-        "Delete SENT outbox rows older than the retention (OUTBOX_RETENTION_DAYS, 7) in "
-        "batches; DEAD rows only with --include-dead. PENDING rows are never deleted. Inbox "
-        "rows go after OUTBOX_INBOX_RETENTION_DAYS (14), never sooner than SENT rows."
-    )
-
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
             "--older-than-days",
