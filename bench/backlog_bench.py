@@ -42,10 +42,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: python bench/backlog_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 from bench.common import (
     DEFAULT_URL,

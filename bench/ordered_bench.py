@@ -30,9 +30,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: python bench/ordered_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-
 from bench.backend_bench import backend_rate
 from bench.common import (
     Stopwatch,

@@ -41,9 +41,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: python bench/purge_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-
 from bench.common import (
     SAMPLE_AGGREGATE_TYPE,
     SAMPLE_EVENT_TYPE,

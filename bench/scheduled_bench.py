@@ -29,10 +29,6 @@ import sys
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: python bench/scheduled_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 from bench.common import SAMPLE_AGGREGATE_TYPE, SAMPLE_EVENT_TYPE, SAMPLE_PAYLOAD, analyze
 from bench.ordered_bench import setup_database

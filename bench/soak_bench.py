@@ -61,11 +61,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: python bench/soak_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 from bench.common import DEFAULT_URL, emit_sample
 from bench.relay_bench import (

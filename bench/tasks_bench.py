@@ -31,11 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: python bench/tasks_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 
 from bench.common import DEFAULT_URL, bench_exchange
 from bench.relay_bench import MANAGE, ROOT, bench_database, setup_django
