@@ -281,6 +281,24 @@ def finish_the_drain(processes: Processes, events: int, **settings: Any) -> None
     assert again.stop() == 0, again.tail()
 
 
+def drain_while_node_1_stops(
+    cluster: Any, processes: Processes, relay: Child, *, stop_at: int, total: int, timeout: float
+) -> None:
+    """The relay drains ``total`` rows through node 1 of ``cluster`` (a
+    tests.utils.cluster.Cluster); node 1 is stopped once ``stop_at`` are SENT, the relay
+    must SEND the rest through another node and stop cleanly. Node 1 is started again
+    whatever happens."""
+    try:
+        wait_for_sent(
+            stop_at, timeout=60, what="draining through node 1", processes=processes, every=0.01
+        )
+        cluster.node("stop", 1)
+        wait_for_sent(total, timeout=timeout, what="draining through node 2", processes=processes)
+        assert relay.stop() == 0, relay.tail()
+    finally:
+        cluster.node("start", 1)
+
+
 # --- the verdict -------------------------------------------------------------------------
 @dataclass
 class Verdict:

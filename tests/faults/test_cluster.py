@@ -24,7 +24,7 @@ from tests.utils.cluster import Cluster
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
-from .harness import check_invariants, counts, emit, wait_for
+from .harness import check_invariants, drain_while_node_1_stops, emit
 
 CLUSTER_ENV = Cluster("AMQP_CLUSTER", "scripts/rabbitmq-cluster")
 CLUSTER = CLUSTER_ENV.urls
@@ -60,24 +60,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, pr
     cluster.declare_queue("#", name=cluster.queue, durable=True, arguments=QUORUM)
     emit(3000)
     relay = procs.relay("--batch-size", "25", name="relay", BROKER_URL=CLUSTER)
-    try:
-        wait_for(
-            lambda: counts()["sent"] >= 300,
-            timeout=60,
-            what="draining through node 1",
-            processes=procs,
-            every=0.01,
-        )
-        CLUSTER_ENV.node("stop", 1)
-        wait_for(
-            lambda: counts()["sent"] == 3000,
-            timeout=90,
-            what="draining through node 2",
-            processes=procs,
-        )
-        assert relay.stop() == 0, relay.tail()
-    finally:
-        CLUSTER_ENV.node("start", 1)
+    drain_while_node_1_stops(CLUSTER_ENV, procs, relay, stop_at=300, total=3000, timeout=90)
     log = relay.stderr()
     assert f"connected to {mask_url(CLUSTER[1])} (node 2 of 3)" in log, relay.tail()
     assert not OutboxEvent.objects.exclude(retry_count=0).exists()

@@ -25,7 +25,7 @@ from tests.utils.nats import NatsBroker, make_nats_consumer, publish_events, rel
 from tests.utils.rows import unsaved_event
 from tests.utils.waiting import wait_for as wait_until
 
-from .harness import counts, emit, wait_for
+from .harness import drain_while_node_1_stops, emit
 
 CLUSTER_ENV = Cluster("NATS_CLUSTER", "scripts/nats-cluster")
 CLUSTER = CLUSTER_ENV.urls
@@ -65,24 +65,7 @@ def test_a_node_stopped_mid_drain_the_relay_goes_on_through_the_next(cluster, pr
         name="relay",
         **relay_settings(cluster, BROKER_URL=CLUSTER, NATS_REPLICAS=3),
     )
-    try:
-        wait_for(
-            lambda: counts()["sent"] >= 1000,
-            timeout=60,
-            what="draining through node 1",
-            processes=procs,
-            every=0.01,
-        )
-        CLUSTER_ENV.node("stop", 1)
-        wait_for(
-            lambda: counts()["sent"] == total,
-            timeout=120,
-            what="draining through node 2",
-            processes=procs,
-        )
-        assert relay.stop() == 0, relay.tail()
-    finally:
-        CLUSTER_ENV.node("start", 1)
+    drain_while_node_1_stops(CLUSTER_ENV, procs, relay, stop_at=1000, total=total, timeout=120)
     assert f"connected to {mask_url(CLUSTER[1])} (node 2 of 3)" in relay.stderr(), relay.tail()
     stored = cluster.collect()
     sent = set(OutboxEvent.objects.filter(status=Status.SENT).values_list("event_id", flat=True))
