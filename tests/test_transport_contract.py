@@ -391,6 +391,7 @@ def test_dead_letter_after_the_limit(side):
     assert side.dead_reasons() == ["failed 2 time(s): RuntimeError: boom after the write"]
 
 
+@pytest.mark.transport
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("message_format", [NATIVE, CLOUDEVENTS, CLOUDEVENTS_STRUCTURED])
 def test_each_format_the_relay_writes_is_read(stream_side, message_format):
@@ -421,6 +422,7 @@ def test_each_format_the_relay_writes_is_read(stream_side, message_format):
         assert received.cloudevent["datacontenttype"] == "application/json"
 
 
+@pytest.mark.transport
 @pytest.mark.django_db(transaction=True)
 def test_a_stop_hands_each_fetched_message_back_once(stream_side):
     stream_side.publish(*[unsaved_event(pk=n) for n in range(1, 6)])
@@ -434,6 +436,7 @@ def test_a_stop_hands_each_fetched_message_back_once(stream_side):
     assert numbers == [2, 2, 2, 2]
 
 
+@pytest.mark.transport
 @pytest.mark.django_db(transaction=True)
 def test_the_consumer_reconnects_after_the_connection_is_lost(stream_side):
     stream_side.publish(unsaved_event(pk=1))
@@ -447,6 +450,7 @@ def test_the_consumer_reconnects_after_the_connection_is_lost(stream_side):
     assert results[0].counts[Outcome.PROCESSED] == 2
 
 
+@pytest.mark.transport
 @pytest.mark.django_db(transaction=True)
 def test_a_one_pass_run_that_cannot_connect_gives_up_saying_why(stream_side):
     with TcpProxy.in_front_of(stream_side.url) as (proxy, url):
