@@ -85,13 +85,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Each database pass runs what can differ on its database (scripts/test runs SQLite,
     PostgreSQL and MariaDB in turn): the database-independent tests (marked ``once``, or
     asking for no database) in the SQLite pass only, and the broker's side of a scenario
-    (marked ``transport``) in the PostgreSQL pass only."""
+    (marked ``transport``) once: in the SQLite pass, or in the PostgreSQL pass when it is
+    a long one (marked ``slow``: the fault suite, an outage, the demo)."""
     scheme = os.environ.get("DATABASE_URL", "sqlite").split(":", 1)[0]
     sqlite, postgres = scheme.startswith("sqlite"), scheme.startswith("postgres")
 
     def here(item: pytest.Item) -> bool:
-        if item.get_closest_marker("transport") is not None and not postgres:
-            return False
+        if item.get_closest_marker("transport") is not None:
+            # Once: a long scenario (the fault suite, an outage, the demo) needs a server.
+            return postgres if item.get_closest_marker("slow") else sqlite
         return sqlite or (item.get_closest_marker("once") is None and uses_database(item))
 
     keep = [item for item in items if here(item)]

@@ -467,6 +467,7 @@ def test_sigterm_during_a_database_outage_hands_the_messages_back(broker, db_ven
     assert PointsLedger.objects.count() == 1
 
 
+@pytest.mark.slow  # an outage scenario, like the two above: it needs a database server
 @pytest.mark.parametrize("queue_type", QUEUE_TYPES)
 def test_a_handler_that_breaks_its_own_connection_is_not_held_for_good(
     broker, db_vendor, queue_type, caplog
