@@ -10,7 +10,14 @@ import pytest
 import redis.exceptions
 from redis.connection import Connection, ConnectionPool
 
-from django_outbox._compat.redis import PINNED, open_connection, read_answer, write_commands
+from django_outbox._compat.redis import (
+    PINNED,
+    open_connection,
+    pack_words,
+    read_answer,
+    write_commands,
+    write_packed,
+)
 
 pytestmark = pytest.mark.once
 
@@ -47,3 +54,30 @@ def test_answers_are_read_in_order_and_an_error_reply_keeps_the_connection_in_st
     finally:
         connection.disconnect()
     assert [first, third] == [entry for entry, _ in redis_broker.entries(key)]
+
+
+def test_words_are_packed_as_redis_py_packs_them():
+    words = [
+        b"XADD",
+        "stream.key",
+        b"MAXLEN",
+        b"~",
+        1000,
+        b"*",
+        "h\u00e9llo %d",
+        b"\x00\r\n" * 3000,
+    ]
+    packed = b"*%d\r\n%b" % (len(words), pack_words(words))
+    assert packed == b"".join(Connection().pack_commands([words]))
+
+
+def test_packed_commands_are_answered_in_order(redis_broker):
+    connection = open_connection(redis_broker.url, connect_timeout=5, timeout=5)
+    key = redis_broker.stream("compat")
+    try:
+        words = [["XADD", key, "*", "a", str(n)] for n in range(3)]
+        write_packed(connection, b"".join(b"*5\r\n" + pack_words(w) for w in words))
+        answers = [read_answer(connection) for _ in words]
+    finally:
+        connection.disconnect()
+    assert answers == [entry for entry, _ in redis_broker.entries(key)]

@@ -27,10 +27,12 @@ __all__ = [
     "connection_pool",
     "describe",
     "open_connection",
+    "pack_words",
     "read_answer",
     "stream_for",
     "stream_name",
     "write_commands",
+    "write_packed",
 ]
 
 #: The redis-py releases this module was checked with (the oldest and the newest: 5.0.0,
@@ -79,6 +81,25 @@ def open_connection(url: str, *, connect_timeout: float, timeout: float | None) 
 def write_commands(connection: Any, commands: Sequence[Sequence[Any]]) -> None:
     """Write ``commands`` in one piece; their answers are read with :func:`read_answer`."""
     connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+
+
+def pack_words(words: Sequence[bytes | str | int]) -> bytes:
+    """The protocol's bulk strings of ``words`` (text as UTF-8, redis-py's default; an int
+    as its digits), without the array's ``*<n>`` line: what ``pack_commands`` writes for
+    them, built in one ``%`` each. Commands sent by the thousand are packed with this
+    (:func:`write_packed`): ``pack_commands`` took about 8 us a command, checking and
+    encoding every word on its own, and the relay waits for it under the GIL."""
+    parts = []
+    for word in words:
+        data = word if isinstance(word, bytes) else str(word).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def write_packed(connection: Any, data: bytes) -> None:
+    """Write ``data``, whole commands in the protocol's form (``*<n>`` and :func:`pack_words`),
+    in one piece; their answers are read with :func:`read_answer`."""
+    connection.send_packed_command([data], check_health=False)
 
 
 def read_answer(connection: Any) -> Any:
