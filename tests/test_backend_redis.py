@@ -99,6 +99,18 @@ def test_a_row_that_cannot_be_built_fails_alone(redis_broker):
     assert redis_broker.count() == 2
 
 
+def test_a_row_whose_text_is_not_utf8_fails_alone(redis_broker):
+    """A lone surrogate cannot be written: before the backend packed the commands itself,
+    redis-py's packing raised for the whole batch."""
+    rows = wire_rows(3)
+    rows[1].event_id = "id-\udc80"
+    with backend(redis_broker) as b:
+        results = b.publish(rows)
+    assert [r.ok for r in results] == [True, False, True]
+    assert results[1].reason is Reason.SERIALISATION
+    assert redis_broker.count() == 2
+
+
 def test_a_replica_is_passed_over_for_the_primary():
     with primary_and_replica() as (primary, replica):
         with RedisBackend(broker_url=[replica, primary], exchange="t") as b:
