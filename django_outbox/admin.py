@@ -41,6 +41,7 @@ from django.utils.translation import ngettext
 from . import ordering, requeue, stats
 from .backends.base import Reason
 from .conf import outbox_settings
+from .counting import EstimatingPaginator
 from .dashboard import (
     DATABASE_PARAM,
     database_figures,
@@ -230,8 +231,11 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     search_fields = ("=event_id", "=aggregate_id")
     search_help_text = _("Exact event id or aggregate id.")
     list_per_page = 50
-    # The changelist's COUNT(*) over a big outbox is slow and adds nothing to triage.
+    # The changelist's COUNT(*) over a big outbox is slow and adds nothing to triage: no
+    # total, and the result count is exact up to counting.EXACT_UP_TO rows, an estimate
+    # above it (the page says "about"; templates/.../pagination.html).
     show_full_result_count = False
+    paginator = EstimatingPaginator
     actions = ("requeue", "mark_dead")
     fieldsets = (
         (
@@ -590,6 +594,8 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             "opts": self.model._meta,
             "app_label": self.model._meta.app_label,
             "stats": snapshot,
+            # "about N" where a count is the database's estimate (counting.EXACT_UP_TO).
+            "shown": {n: snapshot.gauges.shown(n) for n in ("pending", "scheduled", "dead")},
             "oldest_pending_age": format_age(snapshot.oldest_pending_age),
             "alert_pending_age": format_age(outbox_settings.ALERT_PENDING_AGE),
             "outbox_warnings": health_warnings(snapshot.gauges),

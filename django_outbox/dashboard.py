@@ -31,11 +31,11 @@ def health_warnings(gauges: stats.Gauges) -> list[str]:
     if gauges.dead:
         warnings.append(
             ngettext(
-                "%(count)d dead letter is waiting for triage.",
-                "%(count)d dead letters are waiting for triage.",
+                "%(count)s dead letter is waiting for triage.",
+                "%(count)s dead letters are waiting for triage.",
                 gauges.dead,
             )
-            % {"count": gauges.dead}
+            % {"count": gauges.shown("dead")}
         )
     if gauges.blocked_aggregates:
         warnings.append(

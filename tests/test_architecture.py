@@ -34,7 +34,7 @@ FOUNDATION = {
     "transports",
 }
 #: The models and the row's lifecycle: the foundation and each other only.
-DATA = {"ordering", "querysets", "schedule", "models", "gauges", "partitions"}
+DATA = {"ordering", "querysets", "schedule", "models", "gauges", "partitions", "counting"}
 #: Each row: its modules, and what of the app they may import (None: anything).
 RULES: dict[str, tuple[set[str], set[str] | None]] = {
     "the foundation": (FOUNDATION, FOUNDATION),
