@@ -44,6 +44,7 @@ from .conf import outbox_settings
 from .counting import EstimatingPaginator
 from .dashboard import (
     DATABASE_PARAM,
+    NewestValuesFilter,
     database_figures,
     health_warnings,
     requested_database,
@@ -222,8 +223,8 @@ class OutboxEventAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     list_filter = (
         "status",
         ScheduleFilter,
-        "event_type",
-        "aggregate_type",
+        ("event_type", NewestValuesFilter),
+        ("aggregate_type", NewestValuesFilter),
         AgeFilter,
         DatabaseFilter,
     )

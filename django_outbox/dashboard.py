@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib import admin
+from django.db import connections
 from django.http import Http404, HttpRequest, QueryDict
+from django.utils.formats import number_format
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from . import stats
+from . import counting, stats
 from .conf import outbox_settings
 from .models import outbox_db
 from .stats import format_age
@@ -85,6 +88,45 @@ def requested_database(request: HttpRequest) -> str | None:
         raise Http404(f"No outbox database {alias!r}.")
     request._outbox_database = alias or None  # type: ignore[attr-defined]
     return request._outbox_database  # type: ignore[attr-defined, no-any-return]
+
+
+class NewestValuesFilter(admin.AllValuesFieldListFilter):
+    """A filter by a column's values (the event type, the aggregate type) that lists the
+    values of the newest :data:`~django_outbox.counting.EXACT_UP_TO` rows, not of every row.
+
+    Django's own reads ``SELECT DISTINCT`` over the whole table: 250 ms a filter with a
+    million rows on PostgreSQL (``bench.reads_bench``), for a column no index leads. Past
+    the bound the filter's title says so; a value typed into the URL
+    (``?event_type=X``) filters every row, and shows as chosen."""
+
+    def __init__(
+        self,
+        field: Any,
+        request: HttpRequest,
+        params: Any,
+        model: Any,
+        model_admin: Any,
+        field_path: str,
+    ) -> None:
+        super().__init__(field, request, params, model, model_admin, field_path)
+        queryset = model_admin.get_queryset(request)  # on the database the list shows
+        newest = queryset.order_by("-pk").values_list(field.name)[: counting.EXACT_UP_TO]
+        sql, sql_params = newest.query.sql_with_params()
+        connection = connections[newest.db]
+        column = connection.ops.quote_name(field.column)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT DISTINCT newest.{column} FROM ({sql}) newest ORDER BY 1", sql_params
+            )
+            values = [row[0] for row in cursor.fetchall()]
+        if self.lookup_val is not None:
+            values = sorted({*values, *self.lookup_val})
+        self.lookup_choices = values  # type: ignore[assignment]
+        if queryset.order_by("-pk")[counting.EXACT_UP_TO :][:1].exists():
+            self.title = _("%(title)s (of the newest %(count)s events)") % {
+                "title": self.title,
+                "count": number_format(counting.EXACT_UP_TO, force_grouping=True),
+            }
 
 
 # --- several databases: which outbox the dashboard shows ------------------------------------

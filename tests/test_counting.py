@@ -129,3 +129,27 @@ def test_oldest_pending_age_without_reading_every_pending_row():
     assert 600 <= stats.gauges().oldest_pending_age < 660  # now the plain row is older
     OutboxEvent.objects.filter(pk=plain.pk).delete()
     assert 300 <= stats.gauges().oldest_pending_age < 360  # no plain row left
+
+
+def test_type_filters_list_the_newest_rows_values_and_say_so(superuser_client, monkeypatch):
+    make_events({"event_type": "OLD_TYPE"}, {"event_type": "ORDER_PAID"}, {})
+    response = superuser_client.get(reverse(CHANGELIST))
+    choices = _filter_choices(response, "event_type")
+    assert choices == ["All", "OLD_TYPE", "ORDER_CREATED", "ORDER_PAID"]
+    monkeypatch.setattr(counting, "EXACT_UP_TO", 2)  # OLD_TYPE is the third newest
+    with CaptureQueriesContext(connection) as queries:
+        response = superuser_client.get(reverse(CHANGELIST))
+    assert not any("DISTINCT" in q["sql"] and "LIMIT" not in q["sql"] for q in queries)
+    assert _filter_choices(response, "event_type") == ["All", "ORDER_CREATED", "ORDER_PAID"]
+    assert "(of the newest 2 events)" in response.content.decode()
+    # A value typed into the URL still filters every row, and shows as chosen.
+    response = superuser_client.get(reverse(CHANGELIST), {"event_type": "OLD_TYPE"})
+    assert response.context["cl"].result_count == 1
+    assert "OLD_TYPE" in _filter_choices(response, "event_type")
+
+
+def _filter_choices(response, parameter):
+    for spec in response.context["cl"].filter_specs:
+        if getattr(spec, "lookup_kwarg", None) == parameter:
+            return [str(c["display"]) for c in spec.choices(response.context["cl"])]
+    raise AssertionError(f"no filter on {parameter}")
