@@ -42,6 +42,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from bench.common import (
     DEFAULT_URL,
@@ -171,13 +172,36 @@ def measure(shape: str, rows: int, args: argparse.Namespace) -> Figures:
     return Figures(rows, claim, rate)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def backlog_parser(description: str) -> argparse.ArgumentParser:
+    """The options every bench of a small backlog against a big one takes."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script runs")
     p.add_argument(
         "--backlog", type=int, default=None, help="the big backlog (1M PostgreSQL, 200k MariaDB)"
     )
     p.add_argument("--small", type=int, default=10_000, help="the small backlog")
+    return p
+
+
+def start(args: argparse.Namespace, smoke: dict[str, int], details: str) -> tuple[Any, str, int]:
+    """The sizes of ``--smoke`` applied, a fresh database (the connection, the name to
+    give back) and the big backlog's size: ``--backlog``, or this database's default;
+    printed with ``details``."""
+    if args.smoke:
+        for name, value in smoke.items():
+            setattr(args, name, value)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    connection, old_name = setup_database()
+    backlog = args.backlog or BACKLOG.get(connection.vendor, 200_000)
+    print(
+        f"database: {connection.vendor}, small {args.small:,}, big {backlog:,}, {details}",
+        flush=True,
+    )
+    return connection, old_name, backlog
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = backlog_parser(__doc__.splitlines()[0])
     p.add_argument("--aggregates", type=int, default=10_000, help="aggregates of 'ordered'")
     p.add_argument("--drain", type=int, default=5000, help="events drained per backlog")
     p.add_argument("--claims", type=int, default=20, help="claims timed per backlog")
@@ -190,16 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in args.shapes.split(",") if s]
     if unknown := set(shapes) - set(SHAPES):
         p.error(f"unknown shapes {sorted(unknown)}: choose among {', '.join(SHAPES)}")
-    if args.smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    connection, old_name = setup_database()
-    backlog = args.backlog or BACKLOG.get(connection.vendor, 200_000)
-    print(
-        f"database: {connection.vendor}, batch size {args.batch_size}, "
-        f"small {args.small:,}, big {backlog:,}, drain {args.drain:,}",
-        flush=True,
+    connection, old_name, backlog = start(
+        args, SMOKE, f"batch size {args.batch_size}, drain {args.drain:,}"
     )
     try:
         ratios = []

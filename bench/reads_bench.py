@@ -27,18 +27,11 @@ from __future__ import annotations
 
 import argparse
 import io
-import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: python bench/reads_bench.py
-    sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-
-from bench.backlog_bench import BACKLOG, load
-from bench.ordered_bench import setup_database
+from bench.backlog_bench import backlog_parser, load, start
 
 READS = ("start-up", "outbox_stats", "gauges", "changelist", "dashboard")
 SMOKE = {"backlog": 3000, "small": 300, "repeat": 1}
@@ -112,26 +105,11 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script runs")
-    p.add_argument(
-        "--backlog", type=int, default=None, help="the big backlog (1M PostgreSQL, 200k MariaDB)"
-    )
-    p.add_argument("--small", type=int, default=10_000, help="the small backlog")
+    p = backlog_parser(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=5, help="times each read is timed (median)")
     p.add_argument("--batch-size", type=int, default=1000, help="the relay's first batch")
     args = p.parse_args(argv)
-    if args.smoke:
-        for name, value in SMOKE.items():
-            setattr(args, name, value)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    connection, old_name = setup_database()
-    backlog = args.backlog or BACKLOG.get(connection.vendor, 200_000)
-    print(
-        f"database: {connection.vendor}, small {args.small:,}, big {backlog:,}, "
-        f"median of {args.repeat}",
-        flush=True,
-    )
+    connection, old_name, backlog = start(args, SMOKE, f"median of {args.repeat}")
     try:
         small = measure(args.small, args)
         big = measure(backlog, args)
