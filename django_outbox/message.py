@@ -83,6 +83,10 @@ DELIVERY_HEADERS = frozenset({"x-delivery-count", "x-death"})
 DELIVERY_HEADER_PREFIXES = ("x-outbox-", "x-first-death-", "x-last-death-")
 #: Set by the relay on a replayed event: how many times it was replayed (1 for the first).
 REPLAY_HEADER = "x-outbox-replay"
+#: An event's own header that the RabbitMQ backend also publishes as the message's AMQP
+#: ``priority`` property (an int, 0..255), which a priority queue (``x-max-priority``)
+#: delivers by; the Django tasks backend sets it from a task's priority (docs/tasks.md).
+PRIORITY_HEADER = "x-outbox-priority"
 #: Where the CloudEvents AMQP binding puts an event's attributes (django_outbox.formats):
 #: an own header there would be taken for one, or overwritten by the relay's.
 CLOUDEVENTS_HEADER_PREFIXES = ("cloudEvents:", "cloudEvents_")
@@ -90,8 +94,9 @@ CLOUDEVENTS_HEADER_PREFIXES = ("cloudEvents:", "cloudEvents_")
 
 def is_reserved_header(name: str) -> bool:
     """Whether an event's own headers may not use ``name``: the relay sets it, the broker
-    or the consumer counts deliveries in it, or it would read as a CloudEvents attribute."""
-    return (
+    or the consumer counts deliveries in it, or it would read as a CloudEvents attribute.
+    :data:`PRIORITY_HEADER` is the one ``x-outbox-`` name an event sets itself."""
+    return name != PRIORITY_HEADER and (
         name in RESERVED_HEADERS
         or name in DELIVERY_HEADERS
         or name.startswith(DELIVERY_HEADER_PREFIXES)

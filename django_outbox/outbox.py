@@ -36,7 +36,7 @@ from . import tracing
 from ._compat.django import PREPARED, has_commit_hook, innermost_atomic, insert_rows
 from .conf import outbox_settings
 from .exceptions import DuplicateEventId, InvalidEvent, NotInTransaction, PayloadTooLarge
-from .message import is_reserved_header
+from .message import PRIORITY_HEADER, is_reserved_header
 from .models import OutboxEvent, outbox_db
 from .notify import request_wake
 
@@ -388,6 +388,14 @@ def build_event(args: EventArgs, using: str = DEFAULT_DB_ALIAS) -> OutboxEvent:
                 "x-delivery-count, x-death and x-outbox-* headers; cloudEvents:* and "
                 "cloudEvents_* headers would read as CloudEvents attributes. Rename your "
                 "headers (e.g. prefix them with your service name)."
+            )
+        priority = headers.get(PRIORITY_HEADER)
+        if priority is not None and (
+            isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255
+        ):
+            raise InvalidEvent(
+                f"headers[{PRIORITY_HEADER!r}] is {priority!r}: the message's AMQP priority is "
+                "a whole number from 0 to 255."
             )
         header_values = json.loads(_serialise(dict(headers), "headers")[0])
         _check_amqp_table(header_values, "headers")

@@ -39,6 +39,7 @@ from ._compat.tasks import (
     set_result_field,
     task_enqueued,
 )
+from .message import PRIORITY_HEADER
 from .models import OutboxEvent, OutboxTaskResult, outbox_db
 
 __all__ = [
@@ -46,7 +47,9 @@ __all__ = [
     "EVENT_TYPE_PREFIX",
     "OutboxTask",
     "OutboxTaskBackend",
+    "broker_priority",
     "task_event_type",
+    "task_headers",
 ]
 
 #: A task's outbox event type (and default routing key) is this and its queue's name.
@@ -59,6 +62,24 @@ DEFAULT_BROKER_QUEUE_PREFIX = "django.tasks."
 OPTIONS = frozenset({"MAX_RETRIES", "DATABASE", "BROKER_QUEUE_PREFIX"})
 #: The longest queue name: an event type holds 128 characters.
 MAX_QUEUE_NAME = 128 - len(EVENT_TYPE_PREFIX)
+#: The AMQP priorities of a task queue (its ``x-max-priority``): Django's priorities,
+#: -100..100, fall into 0..10 in steps of 20 (:func:`broker_priority`). RabbitMQ advises
+#: few levels: each is a queue of its own inside the broker queue.
+BROKER_PRIORITIES = 10
+# Django's range (django.tasks.base's TASK_MIN_PRIORITY/TASK_MAX_PRIORITY; the backport's).
+_MIN_PRIORITY, _MAX_PRIORITY = -100, 100
+
+
+def broker_priority(priority: int) -> int:
+    """The AMQP priority a task of Django priority ``priority`` is published with: 0 for
+    -100, 5 for the default 0 (-10..9), 10 for 100; higher runs first."""
+    step = (_MAX_PRIORITY - _MIN_PRIORITY) // BROKER_PRIORITIES
+    return (priority - _MIN_PRIORITY + step // 2) // step
+
+
+def task_headers(priority: int) -> dict[str, int]:
+    """The outbox headers of a task's message (each attempt's): its broker priority."""
+    return {PRIORITY_HEADER: broker_priority(priority)}
 
 
 def task_event_type(queue_name: str) -> str:
@@ -94,10 +115,10 @@ class OutboxTaskBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
     supports_defer = True
     supports_async_task = True
     supports_get_result = True
-    # Tasks of a queue run in the order the relay publishes them (by due time and id); a
-    # priority is neither a claim order nor a broker priority yet, so it is refused
-    # rather than ignored (docs/tasks.md, "Priority").
-    supports_priority = False
+    # A broker priority: each attempt's message carries the task's priority as its AMQP
+    # priority, and the worker's task queues are RabbitMQ priority queues, where the
+    # backlog of due tasks waits (docs/tasks.md, "Priority").
+    supports_priority = True
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
@@ -173,6 +194,7 @@ class OutboxTaskBackend(BaseTaskBackend):  # type: ignore[misc,unused-ignore]
                 task_event_type(task.queue_name),
                 payload=task_payload(result, self.task_retries(task)),
                 event_id=result.id,
+                headers=task_headers(task.priority),
                 deliver_at=task.run_after,
                 using=using,
             )
@@ -309,6 +331,7 @@ def requeue_failed(rows: Any, using: str) -> int:
                 task_event_type(row.queue_name),
                 payload=row_payload(row),
                 event_id=row.message_id,
+                headers=task_headers(row.priority),
                 using=using,
             )
             row.save(using=using)

@@ -48,7 +48,7 @@ from .consumer.dispatch import Action, ConsumeResult, Decision, Dispatcher
 from .consumer.handlers import IdempotentHandler, Outcome, connection_lost
 from .message import Delivery, ReceivedEvent
 from .models import OutboxEvent, OutboxTaskResult
-from .tasks_backend import OutboxTaskBackend, task_event_type
+from .tasks_backend import BROKER_PRIORITIES, OutboxTaskBackend, task_event_type, task_headers
 
 logger = logging.getLogger("django_outbox.tasks")
 
@@ -217,6 +217,7 @@ class TaskHandler(IdempotentHandler):
                     event.event_type,
                     payload=event.payload,
                     event_id=row.message_id,
+                    headers=task_headers(row.priority),
                     delay=delay,
                     using=using,
                 )
@@ -289,9 +290,17 @@ def task_consumer(
     consumer_class: type[BaseConsumer[Any]],
     **options: Any,
 ) -> BaseConsumer[Any]:
-    """A consumer of the broker URL's transport that runs the tasks of ``queue_name``."""
+    """A consumer of the broker URL's transport that runs the tasks of ``queue_name``.
+
+    On RabbitMQ the queue is a classic priority queue unless ``queue_type`` says quorum
+    (RabbitMQ 3.x quorum queues have no priorities): the due tasks wait there, so that is
+    where a higher priority passes the others."""
     handler = task_handler(backend_alias, [queue_name])
     options.setdefault("queue", handler().backend.broker_queue(queue_name))
+    if getattr(consumer_class, "transport", None) == "amqp":
+        options["queue_type"] = options.get("queue_type") or "classic"
+        if options["queue_type"] == "classic":
+            options.setdefault("max_priority", BROKER_PRIORITIES)
     consumer = consumer_class(handlers=[handler], **options)
     consumer.dispatcher = TaskDispatcher(
         handlers=[handler],

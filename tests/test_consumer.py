@@ -121,6 +121,10 @@ def test_queue_name_and_arguments(settings):
     assert "x-queue-type" not in queue_arguments("q", queue_type="classic", max_retries=3)
     with pytest.raises(ImproperlyConfiguredConsumer, match="'quorum' or 'classic'"):
         queue_arguments("q", queue_type="stream", max_retries=3)
+    classic = queue_arguments("q", queue_type="classic", max_retries=3, max_priority=10)
+    assert classic["x-max-priority"] == 10
+    with pytest.raises(ImproperlyConfiguredConsumer, match=r"priority queue .* is a classic"):
+        queue_arguments("q", queue_type="quorum", max_retries=3, max_priority=10)
 
 
 def test_describe_names_types_bindings_and_dedup_style(settings):

@@ -254,6 +254,17 @@ BAD_INPUT = [
     ),
     ({"event_type": "X", "payload": {}, "headers": {"x-outbox-mine": 1}}, InvalidEvent, "may not"),
     ({"event_type": "X", "payload": {}, "headers": {"x-death": []}}, InvalidEvent, "may not"),
+    # The AMQP priority an event may ask for: 0..255.
+    (
+        {"event_type": "X", "payload": {}, "headers": {"x-outbox-priority": 256}},
+        InvalidEvent,
+        "0 to 255",
+    ),
+    (
+        {"event_type": "X", "payload": {}, "headers": {"x-outbox-priority": "high"}},
+        InvalidEvent,
+        "0 to 255",
+    ),
 ]
 
 
@@ -570,6 +581,7 @@ def test_the_consumers_delivery_count_header_is_reserved():
 
     assert is_reserved_header(DELIVERY_HEADER)
     assert not is_reserved_header("x-request-id")
+    assert not is_reserved_header("x-outbox-priority")  # the one an event sets itself
 
 
 @pytest.mark.parametrize("name", ["cloudEvents:tenant", "cloudEvents_id"])

@@ -110,7 +110,7 @@ def test_run_after_is_the_rows_scheduled_time():
     ("make", "error", "text"),
     [
         (lambda: add.using(queue_name="nope"), InvalidTask, "Queue 'nope' is not valid"),
-        (lambda: add.using(priority=5), InvalidTask, "priority"),
+        (lambda: add.using(priority=101), InvalidTask, "priority must be"),
         (
             lambda: add.using(run_after=timezone.now().replace(tzinfo=None)),
             InvalidTask,
@@ -122,6 +122,28 @@ def test_validate_task_refuses_what_cannot_work(make, error, text):
     with pytest.raises(error, match=text):
         make().enqueue(1, 2)
     assert not OutboxEvent.objects.exists()
+
+
+def test_priority_is_the_messages_broker_priority():
+    """Django's -100..100 in 11 AMQP priorities; every attempt's row carries it."""
+    from django_outbox.message import PRIORITY_HEADER
+    from django_outbox.tasks_backend import broker_priority
+
+    assert [broker_priority(p) for p in (-100, -91, -90, -11, -10, 0, 9, 10, 99, 100)] == [
+        0,
+        0,
+        1,
+        4,
+        5,
+        5,
+        5,
+        6,
+        10,
+        10,
+    ]
+    result = add.using(priority=100).enqueue(1, 2)
+    assert OutboxEvent.objects.get(event_id=result.id).headers == {PRIORITY_HEADER: 10}
+    assert add.get_result(result.id).task.priority == 100
 
 
 def test_a_non_json_argument_is_refused_and_nothing_written():
@@ -204,12 +226,17 @@ def test_worker_runs_a_committed_task_once_with_its_effects():
 
 @override_settings(OUTBOX_RETRY_SCHEDULE=[0])
 def test_a_raising_task_is_retried_then_failed_with_its_error():
-    result = fail_always.enqueue("x")
+    from django_outbox.message import PRIORITY_HEADER
+
+    result = fail_always.using(priority=-100).enqueue("x")
     decisions = _run_due()
     assert [d.action for d in decisions] == [Action.ACKNOWLEDGE]
     result.refresh()
     assert result.status == TaskResultStatus.READY
     assert len(result.errors) == 1
+    # The retry is published with the task's priority too.
+    retry = OutboxEvent.objects.get(event_id=f"{result.id}.2")
+    assert retry.headers == {PRIORITY_HEADER: 0}
     # MAX_RETRIES 2 (tests/settings.py): two more attempts, the last dead-letters.
     assert [d.action for d in _run_due()] == [Action.ACKNOWLEDGE]
     (last,) = _run_due()
@@ -301,10 +328,9 @@ def test_process_messages_helper_runs_tasks():
 
 
 # -- RabbitMQ ---------------------------------------------------------------------------------
-@pytest.mark.amqp
-@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
-def test_worker_on_rabbitmq_runs_tasks_and_dead_letters_a_failing_one(broker):
-    from django_outbox.backends.pika import PikaBackend
+def _rabbitmq_worker(broker: Any, **options: Any) -> Worker:
+    """A worker of the task queue ``default`` on the test's queue, connected: its (priority)
+    queue and binding are declared."""
     from django_outbox.consumer.amqp import Consumer
 
     worker = Worker(
@@ -314,8 +340,18 @@ def test_worker_on_rabbitmq_runs_tasks_and_dead_letters_a_failing_one(broker):
         exchange=broker.exchange,
         queue=broker.queue,
         idle_timeout=0.5,
+        **options,
     )
-    worker.consumers[0].connect()  # declares the queue and its binding
+    worker.consumers[0].connect()
+    return worker
+
+
+@pytest.mark.amqp
+@override_settings(OUTBOX_RETRY_SCHEDULE=[0])
+def test_worker_on_rabbitmq_runs_tasks_and_dead_letters_a_failing_one(broker):
+    from django_outbox.backends.pika import PikaBackend
+
+    worker = _rabbitmq_worker(broker)
     with transaction.atomic():
         ok = make_widget.enqueue("r1")
         bad = fail_always.enqueue("r2")
@@ -338,6 +374,44 @@ def test_worker_on_rabbitmq_runs_tasks_and_dead_letters_a_failing_one(broker):
     _method, props, _body = broker.get(broker.dlq)
     assert props.message_id == f"{bad.id}.3"
     assert "always fails: r2" in props.headers["x-outbox-reason"]
+
+
+@pytest.mark.amqp
+def test_higher_priority_runs_first_from_the_backlog_in_the_broker(broker):
+    """The worker stopped: low, default and high priority tasks wait in the task queue (a
+    RabbitMQ priority queue); a worker started with prefetch 1 runs the highest first."""
+    worker = _rabbitmq_worker(broker, prefetch=1)
+    worker.consumers[0].close()
+    make_widget.using(priority=-100).enqueue("low-1")
+    make_widget.using(priority=-50).enqueue("low-2")
+    make_widget.enqueue("default")
+    make_widget.using(priority=100).enqueue("high")
+    make_widget.using(priority=-100).enqueue("low-3")
+    _relay_to(broker)  # published in enqueue order
+    worker.serve(stop=threading.Event(), once=True)
+    rows = OutboxTaskResult.objects.order_by("started_at")
+    assert [row.args_kwargs["args"][0] for row in rows] == [
+        "high",
+        "default",
+        "low-2",
+        "low-1",
+        "low-3",
+    ]
+
+
+@pytest.mark.amqp
+def test_a_task_queue_declared_without_priorities_is_a_clear_error(broker, tmp_path):
+    """A queue an older worker (or a hand) declared without x-max-priority cannot become a
+    priority queue: the worker exits 2 and says what to do, instead of reconnecting."""
+    name = f"{broker.queue}.default"
+    broker.declare_queue(None, name=name, durable=True)
+    broker.delete_at_close(queues=[f"{name}.dlq"])
+    child = _worker_child(broker, tmp_path, "--once")
+    _out, err = child.communicate(timeout=120)
+    assert child.returncode == 2, err.decode()
+    text = err.decode()
+    assert "x-max-priority" in text
+    assert "delete it" in text
 
 
 # -- outbox_worker, the command ---------------------------------------------------------------

@@ -44,6 +44,7 @@ from .._compat.pika import (
 )
 from ..conf import BROKER_URL_EMPTY, BROKER_URL_EMPTY_HINT, outbox_settings
 from ..masking import mask_url, mask_urls_in, password_overruns
+from ..message import PRIORITY_HEADER
 from ..worker import BrokerNodes
 from . import bindings
 from .base import (
@@ -622,6 +623,8 @@ class PikaBackend(AmqpBackend):
             type=event.event_type,
             timestamp=int(event.occurred_at.timestamp()),
             headers=message_format.encode_headers(event),
+            # None (no priority) unless the event asks for one: a task's (tasks_backend.py).
+            priority=event.headers.get(PRIORITY_HEADER) if event.headers else None,
         )
         return self.exchange, self.routing_key(event), message_format.encode_body(event), properties
 

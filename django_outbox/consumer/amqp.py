@@ -58,8 +58,11 @@ class AmqpMessage(NamedTuple):
     body: bytes
 
 
-def queue_arguments(queue: str, *, queue_type: str, max_retries: int) -> dict[str, Any]:
-    """Arguments of the consumer queue: dead-letter to ``<queue>.dlq`` via the default exchange."""
+def queue_arguments(
+    queue: str, *, queue_type: str, max_retries: int, max_priority: int | None = None
+) -> dict[str, Any]:
+    """Arguments of the consumer queue: dead-letter to ``<queue>.dlq`` via the default
+    exchange; ``max_priority``: a classic priority queue of priorities 0..max_priority."""
     arguments: dict[str, Any] = {
         "x-dead-letter-exchange": "",
         "x-dead-letter-routing-key": dead_letter_queue_name(queue),
@@ -72,7 +75,31 @@ def queue_arguments(queue: str, *, queue_type: str, max_retries: int) -> dict[st
         raise ImproperlyConfiguredConsumer(
             f"OUTBOX_CONSUMER_QUEUE_TYPE is {queue_type!r}; use 'quorum' or 'classic'."
         )
+    if max_priority is not None:
+        if queue_type != "classic":
+            raise ImproperlyConfiguredConsumer(
+                f"queue {queue!r}: a priority queue (x-max-priority) is a classic queue; "
+                f"RabbitMQ refuses x-max-priority on a {queue_type} queue."
+            )
+        arguments["x-max-priority"] = max_priority
     return arguments
+
+
+def _declare(channel: Any, queue: str, arguments: dict[str, Any]) -> None:
+    """Declare ``queue``; one that exists with other arguments is a configuration error
+    that no reconnect mends (RabbitMQ closes the channel with PRECONDITION_FAILED)."""
+    try:
+        channel.queue_declare(queue, durable=True, arguments=arguments)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != 406:
+            raise
+        wanted = ", ".join(f"{k}={v}" for k, v in sorted(arguments.items())) or "none"
+        raise ImproperlyConfiguredConsumer(
+            f"queue {queue!r} exists with other arguments than these ({wanted}): "
+            f"{exc.reply_text}. A queue's arguments cannot change: stop its consumers, move "
+            "or drain its messages, delete it (rabbitmqctl delete_queue) and start again to "
+            "declare it anew, or use another queue name."
+        ) from exc
 
 
 def _hand_back(channel: Any, deliveries: Iterator[Any]) -> None:
@@ -110,14 +137,19 @@ class Consumer(BaseConsumer[AmqpMessage]):
         *,
         exchange_type: str | None = None,
         queue_type: str | None = None,
+        max_priority: int | None = None,
         **options: Any,
     ) -> None:
-        """``options``: :class:`BaseConsumer`'s."""
+        """``max_priority``: declare a classic priority queue (``x-max-priority``);
+        ``options``: :class:`BaseConsumer`'s."""
         super().__init__(**options)
         self.exchange_type = exchange_type or outbox_settings.EXCHANGE_TYPE
         self.queue_type = queue_type or outbox_settings.CONSUMER_QUEUE_TYPE
         self.arguments = queue_arguments(
-            self.queue, queue_type=self.queue_type, max_retries=self.max_retries
+            self.queue,
+            queue_type=self.queue_type,
+            max_retries=self.max_retries,
+            max_priority=max_priority,
         )
         self._connection: Any = None
         self._channel: Any = None
@@ -145,8 +177,8 @@ class Consumer(BaseConsumer[AmqpMessage]):
         if not outbox_settings.EXCHANGE_PASSIVE and self.exchange:
             channel.exchange_declare(self.exchange, self.exchange_type, durable=True)
         dlq_args = {"x-queue-type": "quorum"} if self.queue_type == "quorum" else {}
-        channel.queue_declare(self.dead_letter_queue, durable=True, arguments=dlq_args)
-        channel.queue_declare(self.queue, durable=True, arguments=self.arguments)
+        _declare(channel, self.dead_letter_queue, dlq_args)
+        _declare(channel, self.queue, self.arguments)
         for key in self.dispatcher.routing_keys():
             channel.queue_bind(self.queue, self.exchange, routing_key=key)
         channel.basic_qos(prefetch_count=self.prefetch)

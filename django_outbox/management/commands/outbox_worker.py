@@ -9,8 +9,9 @@ The consumer engine of ``consume_outbox`` with the task handler
 consumers (threads) on each.
 
 Exit codes: 0 stopped by a signal, or ``--once`` done; 1 a second signal; 2 misconfigured
-(TASKS, a queue not in QUEUES, the broker URL), the outbox's database unreachable or
-unmigrated at start, or (``--once``) no broker node could be connected to.
+(TASKS, a queue not in QUEUES, the broker URL, a task queue that exists with other
+arguments), the outbox's database unreachable or unmigrated at start, or (``--once``) no
+broker node could be connected to.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Command(ConsumerCommand):
             prefetch="Messages each consumer holds unacknowledged (default "
             "OUTBOX_CONSUMER_PREFETCH).",
             once="Exit as soon as every queue has been empty for a second.",
+            queue_type="classic (default: a priority queue, where a task's priority is "
+            "honoured) or quorum (replicated; no priorities on RabbitMQ 3.x).",
         )
 
     def databases_needed(self, options: dict[str, Any]) -> list[str]:
