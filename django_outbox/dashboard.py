@@ -111,7 +111,9 @@ class NewestValuesFilter(admin.AllValuesFieldListFilter):
         super().__init__(field, request, params, model, model_admin, field_path)
         queryset = model_admin.get_queryset(request)  # on the database the list shows
         newest = queryset.order_by("-pk").values_list(field.name)[: counting.EXACT_UP_TO]
-        sql, sql_params = newest.query.sql_with_params()
+        # Compiled for the queryset's own database (sql_with_params() compiles for the
+        # default one, whose quoting another engine refuses).
+        sql, sql_params = newest.query.get_compiler(using=newest.db).as_sql()
         connection = connections[newest.db]
         column = connection.ops.quote_name(field.column)
         with connection.cursor() as cursor:
