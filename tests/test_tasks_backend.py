@@ -291,6 +291,38 @@ def test_a_stale_redelivery_of_a_failed_attempt_does_not_run_it_twice():
     assert result.attempts == 1
 
 
+def test_a_first_delivery_starts_with_one_insert_and_a_task_killed_after_start_runs_again():
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from django_outbox.message import decode
+
+    result = make_widget.enqueue("w9", name="nine")
+    locmem.outbox.clear()
+    make_relay().drain()
+    (message,) = locmem.outbox
+    handler = task_handler("default", ["default"])()
+    # The first delivery's start is one INSERT of the RUNNING row, no locked read first.
+    with CaptureQueriesContext(connection) as queries:
+        row = handler._start(decode(message.delivery()), handler.database())
+    assert row is not None
+    assert row.status == OutboxTaskResult.TaskStatus.RUNNING
+    statements = [q["sql"] for q in queries.captured_queries if "outbox" in q["sql"].lower()]
+    assert len(statements) == 1
+    assert statements[0].upper().startswith("INSERT")
+    result.refresh()
+    assert result.status == TaskResultStatus.RUNNING
+    # Killed there (RUNNING, nothing acknowledged): the redelivery finds the row, runs the
+    # task under its lock, and counts both attempts; one more delivery does not run it.
+    dispatcher = _dispatcher()
+    assert dispatcher.receive(message.delivery()).outcome is Outcome.PROCESSED
+    assert dispatcher.receive(message.delivery()).outcome is Outcome.DUPLICATE
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.attempts == 2
+    assert Widget.objects.get().name == "nine"
+
+
 def test_async_task_runs_in_the_worker():
     result = async_add.enqueue(20, 22)
     _run_due()
