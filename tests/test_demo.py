@@ -15,7 +15,7 @@ import pytest
 
 from demo import backends
 from demo.backends import DemoRelayBackend
-from demo.broker import InProcessBroker, InProcessBrokerBackend
+from demo.broker import TASKS, InProcessBroker, InProcessBrokerBackend
 from demo.scenario import MESSAGE_FORMATS, Figures, Tally, reconcile
 from django_outbox import outbox
 from django_outbox.backends.base import BaseBackend, BrokerUnavailable, PublishResult
@@ -74,6 +74,14 @@ def test_embedded_demo_migrates_a_fresh_database_and_reconciles(tmp_path):
     assert figure(out, "lost") == "0"
     assert figure(out, "message formats") == "native=115"
     assert figure(out, "PENDING / SENT / DEAD") == "0 / 100 / 0"
+    # Each order enqueued a send_receipt task in its transaction: one receipt per order,
+    # none for the rolled-back one (its number has the run's prefix too: it would be 101),
+    # and the killed batch's 10 tasks were delivered twice but ran once.
+    assert "its event and its send_receipt task went with it" in prose
+    assert "7. Task worker." in out
+    assert figure(out, "receipts sent") == "100"
+    assert "(expected 100; 110 task messages, 10 duplicates)" in out
+    assert "its receipt was sent once" in prose
     assert "OK: every order got its points exactly once" in prose
 
 
@@ -286,6 +294,7 @@ def good_figures(**changes) -> Figures:
 @pytest.mark.once
 def test_reconcile_accepts_a_story_that_adds_up():
     assert reconcile(good_figures()) == []
+    assert reconcile(good_figures(receipts=10)) == []
 
 
 @pytest.mark.once
@@ -303,6 +312,8 @@ def test_reconcile_accepts_a_story_that_adds_up():
             "the consumer failed on 1 message(s)",
         ),
         ({"consumer": Tally(handled=12, processed=10, duplicates=2)}, "2 duplicates suppressed"),
+        ({"receipts": 9}, "9 receipts sent for 10 orders"),
+        ({"receipts": 11}, "11 receipts sent for 10 orders"),
     ],
 )
 def test_reconcile_names_what_does_not_add_up(changes, expected):
@@ -343,6 +354,26 @@ def test_in_process_broker_confirms_and_redelivers_what_was_not_acked():
         assert (again.message_id, again.redelivered) == (first.event_id, True)
         broker.ack(again.tag)
         assert broker.get().message_id == second.event_id
+    finally:
+        backend.close()
+        broker.close()
+
+
+@pytest.mark.once
+def test_in_process_broker_routes_django_tasks_to_their_own_queue():
+    """The points consumer never sees a task: as on RabbitMQ, tasks have their queue."""
+    broker = InProcessBroker()
+    backend = InProcessBrokerBackend(**_client(broker))
+    try:
+        event, task = unsaved_event(pk=1), unsaved_event("django.tasks.default", pk=2)
+        assert [r.ok for r in backend.publish([event, task])] == [True, True]
+        assert (len(broker), broker.waiting(TASKS)) == (1, 1)
+        taken = broker.get(TASKS)
+        assert taken.message_id == task.event_id
+        broker.recover()
+        assert broker.get(TASKS).redelivered  # back in its own queue
+        assert broker.get().message_id == event.event_id
+        assert broker.get() is None
     finally:
         backend.close()
         broker.close()

@@ -143,6 +143,15 @@ OUTBOX_CONSUMER_QUEUE = "points.outbox"
 OUTBOX_CELERY_APP = "config.celery.app"
 OUTBOX_CELERY_TASKS = {"ORDER_CREATED": "points.award_points"}
 
+# Django's Tasks API on the outbox (docs/tasks.md): the demo enqueues demo.receipts.send_receipt
+# with each order, and runs it after the relay.
+TASKS = {
+    "default": {
+        "BACKEND": "django_outbox.tasks_backend.OutboxTaskBackend",
+        "QUEUES": ["default"],
+    }
+}
+
 # --- Celery (config/celery.py) -----------------------------------------------------------
 # OUTBOX_BACKEND=django_outbox.backends.celery.CeleryBackend relays through this app;
 # CELERY_BROKER_URL (else AMQP_URL) is its broker, CELERY_TASK_DEFAULT_QUEUE its queue.

@@ -10,7 +10,10 @@ authenticated socket with :class:`InProcessBrokerBackend`:
   say were sent, exactly as with RabbitMQ;
 - a consumer takes a message with :meth:`InProcessBroker.get` and settles it with
   :meth:`~InProcessBroker.ack`; what it holds unacknowledged when its connection drops
-  (:meth:`~InProcessBroker.recover`) goes back to the queue, flagged redelivered.
+  (:meth:`~InProcessBroker.recover`) goes back to the queue, flagged redelivered;
+- Django tasks (routing key ``django.tasks.<queue>``) go to a queue of their own,
+  :data:`TASKS`, as they go to the task worker's queue on RabbitMQ: the points consumer
+  never sees them.
 
 Nothing is persisted: the broker is gone when the demo exits. It is the demo's, not a
 backend to deploy (use ``PikaBackend``).
@@ -44,6 +47,16 @@ if TYPE_CHECKING:
 ADDRESS_ENV = "DEMO_BROKER_ADDRESS"  # host:port
 AUTHKEY_ENV = "DEMO_BROKER_AUTHKEY"  # hex
 
+#: The broker's two queues: the events (the points consumer's) and the Django tasks.
+EVENTS = "events"
+TASKS = "tasks"
+_TASK_ROUTING_PREFIX = "django.tasks."
+
+
+def queue_of(routing_key: str) -> str:
+    """The queue a message of ``routing_key`` is routed to."""
+    return TASKS if routing_key.startswith(_TASK_ROUTING_PREFIX) else EVENTS
+
 
 @dataclass
 class Delivery:
@@ -72,11 +85,12 @@ class Delivery:
 
 
 class InProcessBroker:
-    """A queue with publisher confirms, acknowledgements and redelivery, in this process."""
+    """Two queues (:data:`EVENTS`, :data:`TASKS`) with publisher confirms,
+    acknowledgements and redelivery, in this process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ready: deque[Delivery] = deque()
+        self._ready: dict[str, deque[Delivery]] = {EVENTS: deque(), TASKS: deque()}
         self._unacked: dict[int, Delivery] = {}
         self._tags = itertools.count(1)
         self.published = 0
@@ -117,16 +131,18 @@ class InProcessBroker:
 
     def publish(self, deliveries: Sequence[Delivery]) -> None:
         with self._lock:
-            self._ready.extend(deliveries)
+            for delivery in deliveries:
+                self._ready[queue_of(delivery.routing_key)].append(delivery)
             self.published += len(deliveries)
 
     # -- the consumer side -----------------------------------------------------------------
-    def get(self) -> Delivery | None:
-        """The next message, now held unacknowledged, or None when the queue is empty."""
+    def get(self, queue: str = EVENTS) -> Delivery | None:
+        """The next message of ``queue``, now held unacknowledged, or None when it is
+        empty."""
         with self._lock:
-            if not self._ready:
+            if not self._ready[queue]:
                 return None
-            delivery = self._ready.popleft()
+            delivery = self._ready[queue].popleft()
             delivery.tag = next(self._tags)
             self._unacked[delivery.tag] = delivery
             return delivery
@@ -147,12 +163,16 @@ class InProcessBroker:
             self._unacked.clear()
             for delivery in held:
                 delivery.redelivered = True
-                self._ready.appendleft(delivery)
+                self._ready[queue_of(delivery.routing_key)].appendleft(delivery)
             return len(held)
 
-    def __len__(self) -> int:
+    def waiting(self, queue: str = EVENTS) -> int:
+        """Messages ready in ``queue``."""
         with self._lock:
-            return len(self._ready)
+            return len(self._ready[queue])
+
+    def __len__(self) -> int:
+        return self.waiting(EVENTS)
 
     def close(self) -> None:
         if self._closed:

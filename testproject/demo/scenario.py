@@ -13,8 +13,12 @@ Everything that can go wrong in the article goes wrong once, on purpose, for rea
 5. A restarted ``publish_outbox`` sends the rest and, once the dead relay's lease ran out,
    the killed batch a second time; it is stopped with SIGTERM.
 6. The consumer reads again: the killed batch comes back as duplicates.
+7. On the embedded broker, each order also enqueued a ``send_receipt`` Django task in its
+   transaction (``OutboxTaskBackend``); the relay published those rows with the events, and
+   the task worker's handler and dispatcher (``outbox_worker``'s, run here: the worker has
+   no transport for the in-process broker) run them, once each, despite the killed batch.
 
-Then :func:`reconcile` compares orders, outbox rows and points rows. With ``BROKER_URL``
+Then :func:`reconcile` compares orders, outbox rows, points rows and receipts. With ``BROKER_URL``
 the broker is RabbitMQ (an exchange and queue named for this run), Redis Streams (streams
 and a consumer group named for this run) or NATS JetStream (a
 stream and durable consumer named for this run; JetStream drops the killed batch's second
@@ -51,13 +55,16 @@ from django_outbox import message
 from django_outbox.conf import broker_urls, outbox_settings
 from django_outbox.consumer import Action, Decision, Dispatcher, Outcome
 from django_outbox.masking import mask_url
-from django_outbox.models import OutboxEvent, Status
+from django_outbox.models import OutboxEvent, OutboxTaskResult, Status
+from django_outbox.tasks_backend import task_event_type
 from orders.models import Order
 from orders.services import create_order
 from points.models import PointsLedger
 
 from . import backends
-from .broker import InProcessBroker
+from .broker import EVENTS, TASKS, InProcessBroker
+from .models import Receipt
+from .receipts import send_receipt
 
 logger = logging.getLogger("demo")
 
@@ -140,6 +147,8 @@ class Figures:
     consumer: Tally
     lost_acks: int  # messages committed by the crashing consumer, delivered again
     killed_batch: int  # messages the killed relay had confirmed, sent again
+    receipts: int | None = None  # receipts sent (None: the run enqueued no tasks)
+    tasks: Tally = field(default_factory=Tally)  # the send_receipt messages the worker read
 
     @property
     def expected_duplicates(self) -> int:
@@ -173,6 +182,8 @@ def reconcile(f: Figures) -> list[str]:
         problems.append(
             f"{f.consumer.duplicates} duplicates suppressed, {f.expected_duplicates} expected"
         )
+    if f.receipts is not None and f.receipts != f.orders:
+        problems.append(f"{f.receipts} receipts sent for {f.orders} orders")
     return problems
 
 
@@ -359,9 +370,20 @@ class EmbeddedTransport:
         return tally, lost
 
     def consume(self) -> Tally:
+        return self._drain(EVENTS, self.dispatcher)
+
+    def run_tasks(self) -> Tally:
+        """What ``outbox_worker --once`` does, on the broker's task queue: its handler and
+        dispatcher, here (the worker has no transport for the in-process broker)."""
+        from django_outbox.tasks_worker import TaskDispatcher, task_handler
+
+        queue = send_receipt.queue_name
+        return self._drain(TASKS, TaskDispatcher(handlers=[task_handler("default", [queue])]))
+
+    def _drain(self, queue: str, dispatcher: Dispatcher) -> Tally:
         tally = Tally()
-        while (delivery := self.broker.get()) is not None:
-            decision = receive(self.dispatcher, delivery.received(), tally)
+        while (delivery := self.broker.get(queue)) is not None:
+            decision = receive(dispatcher, delivery.received(), tally)
             if decision.action is Action.ACKNOWLEDGE:
                 self.broker.ack(delivery.tag)
             else:
@@ -713,18 +735,25 @@ class Demo:
     workdir: Path = field(default_factory=Path)
     write: Callable[[str], None] = print
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    #: Each order enqueues a send_receipt task too (on the embedded broker; step 7).
+    receipts: bool = False
 
     @property
     def prefix(self) -> str:
         return f"{PREFIX}{self.run_id}-"
 
     @property
+    def rows(self) -> int:
+        """The outbox rows the orders write: an event each, and a task each with receipts."""
+        return self.orders * (2 if self.receipts else 1)
+
+    @property
     def batch_size(self) -> int:
-        return max(1, min(500, -(-self.orders // 10)))
+        return max(1, min(500, -(-self.rows // 10)))
 
     @property
     def kill_batch(self) -> int:
-        batches = -(-self.orders // self.batch_size)
+        batches = -(-self.rows // self.batch_size)
         return -(-batches // 2)
 
     # -- output ----------------------------------------------------------------------------
@@ -793,6 +822,7 @@ class Demo:
             transport = RabbitTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
         else:
             transport = EmbeddedTransport(dispatcher)
+            self.receipts = True
         self.say(
             f"The transactional outbox, end to end: {self.orders} orders, "
             f"{describe_database()}, {transport.description}, "
@@ -815,16 +845,27 @@ class Demo:
         first = self.consume(transport, step="4")
         self.restart_relay(transport, killed)
         second = self.consume(transport, step="6")
+        tasks = self.run_tasks(transport) if isinstance(transport, EmbeddedTransport) else None
+        # The duplicates the points consumer sees: the killed batch's events, not its tasks.
+        killed_events = self.run_events().filter(event_id__in=killed).count()
         return self.figures(
             crashed + first + second,
             lost_acks=crashed.processed,
-            killed_batch=len(killed) if transport.stores_republished else 0,
+            killed_batch=killed_events if transport.stores_republished else 0,
+            tasks=tasks,
         )
+
+    def order(self, *, number: str, user_id: int, amount: Decimal) -> None:
+        """create_order(), and with receipts its send_receipt task, in one transaction."""
+        with transaction.atomic():
+            create_order(user_id=user_id, amount=amount, number=number)
+            if self.receipts:
+                send_receipt.enqueue(number)
 
     def create_orders(self) -> None:
         rng = random.Random(self.seed)
         for i in range(1, self.orders + 1):
-            create_order(
+            self.order(
                 user_id=rng.randint(1, 50),
                 amount=Decimal(rng.randint(500, 25000)) / 100,
                 number=f"{self.prefix}{i:05d}",
@@ -832,20 +873,26 @@ class Demo:
         declined = f"{self.prefix}declined"
         try:
             with transaction.atomic():
-                create_order(user_id=1, amount=Decimal("10.00"), number=declined)
+                self.order(user_id=1, amount=Decimal("10.00"), number=declined)
                 raise PaymentDeclined
         except PaymentDeclined:
             pass
         announced = OutboxEvent.objects.filter(aggregate_id=declined).exists()
+        task = " and its send_receipt task" if self.receipts else ""
         self.say(
             f"Orders. create_order() saved {self.orders} orders, each with its ORDER_CREATED "
-            "event in the same database transaction; nothing is sent yet. One more order "
+            + (
+                "event and a send_receipt Django task (enqueued on the outbox) "
+                if self.receipts
+                else "event "
+            )
+            + "in the same database transaction; nothing is sent yet. One more order "
             "failed after create_order() returned (payment declined) and its transaction "
             "rolled back: "
             + (
                 "its event row is STILL THERE."
                 if announced
-                else "its event went with it, so it is never announced."
+                else f"its event{task} went with it, so it is never announced."
             ),
             step="1",
         )
@@ -926,8 +973,9 @@ class Demo:
     def restart_relay(self, transport: Transport, killed: list[str]) -> None:
         relay = self.start_relay("publish_outbox-2", transport)
         try:
+            # Every row: the tasks too (clear_earlier_runs() saw no one else's PENDING).
             wait_until(
-                lambda: not self.run_events().pending().exists(),
+                lambda: not OutboxEvent.objects.pending().exists(),
                 child=relay,
                 what="every event SENT",
             )
@@ -939,16 +987,29 @@ class Demo:
             raise relay.failure("publish_outbox did not stop cleanly on SIGTERM")
         summary = out.strip().splitlines()[-1] if out.strip() else ""
         self.say(
-            f"Relay restarted. publish_outbox (pid {relay.pid}) sent the events never sent "
-            f"and, once the dead relay's lease ran out, the {n(len(killed), 'event')} of the "
+            f"Relay restarted. publish_outbox (pid {relay.pid}) sent the rows never sent "
+            f"and, once the dead relay's lease ran out, the {n(len(killed), 'message')} of the "
             "killed batch again: the broker had them already, the outbox did not know. "
             f"Stopped with SIGTERM, exit {code} ({summary.partition(': ')[2] or 'no summary'}).",
             step="5",
         )
         self.say(self.outbox_line())
 
+    def run_tasks(self, transport: EmbeddedTransport) -> Tally:
+        tally = transport.run_tasks()
+        self.say(
+            f"Task worker. The send_receipt tasks came in {n(tally.handled, 'message')}: "
+            f"{tally.processed} ran, each writing its receipt in the transaction that "
+            f"records its result; {n(tally.duplicates, 'duplicate')} (the killed batch's) "
+            "found their task done and were acknowledged without running it again.",
+            step="7",
+        )
+        return tally
+
     # -- the end ---------------------------------------------------------------------------
-    def figures(self, consumer: Tally, *, lost_acks: int, killed_batch: int) -> Figures:
+    def figures(
+        self, consumer: Tally, *, lost_acks: int, killed_batch: int, tasks: Tally | None = None
+    ) -> Figures:
         counts = self.status_counts()
         orders = Order.objects.filter(number__startswith=self.prefix)
         ledger = PointsLedger.objects.filter(order_number__startswith=self.prefix)
@@ -965,6 +1026,12 @@ class Demo:
             consumer=consumer,
             lost_acks=lost_acks,
             killed_batch=killed_batch,
+            receipts=(
+                None
+                if tasks is None
+                else Receipt.objects.filter(order_number__startswith=self.prefix).count()
+            ),
+            tasks=tasks or Tally(),
         )
 
     def report(self, f: Figures, problems: list[str], elapsed: float) -> None:
@@ -987,6 +1054,15 @@ class Demo:
             ),
             ("PENDING / SENT / DEAD", f"{f.pending} / {f.sent} / {f.dead}", ""),
         ]
+        if f.receipts is not None:
+            rows.append(
+                (
+                    "receipts sent",
+                    str(f.receipts),
+                    f"expected {f.orders}; {f.tasks.handled} task messages, "
+                    f"{f.tasks.duplicates} duplicates",
+                )
+            )
         self.write("")
         self.write("Reconciliation")
         for label, value, note in rows:
@@ -997,7 +1073,9 @@ class Demo:
             return
         self.say(
             "OK: every order got its points exactly once, although a relay died mid-way and "
-            f"{n(f.consumer.duplicates, 'message')} arrived twice. ({elapsed:.1f} s)",
+            f"{n(f.consumer.duplicates, 'message')} arrived twice"
+            + ("; its receipt was sent once" if f.receipts is not None else "")
+            + f". ({elapsed:.1f} s)",
             indent="",
         )
 
@@ -1005,6 +1083,12 @@ class Demo:
         """Remove what earlier demo runs wrote; refuse to run beside foreign PENDING rows."""
         Order.objects.filter(number__startswith=PREFIX).delete()
         PointsLedger.objects.filter(order_number__startswith=PREFIX).delete()
+        Receipt.objects.filter(order_number__startswith=PREFIX).delete()
+        OutboxTaskResult.objects.filter(task_path=send_receipt.module_path).delete()
+        OutboxEvent.objects.filter(
+            event_type=task_event_type(send_receipt.queue_name),
+            payload__task=send_receipt.module_path,
+        ).delete()
         OutboxEvent.objects.filter(aggregate_type="ORDER", aggregate_id__startswith=PREFIX).delete()
         foreign = OutboxEvent.objects.pending().count()
         if foreign:

@@ -22,8 +22,9 @@ from ...scenario import Demo, DemoError
 class Command(BaseCommand):
     help = (
         "Create orders through the outbox, run the relay and the points consumer, kill the "
-        "relay once and deliver some events twice on purpose, then reconcile orders, "
-        "outbox rows and points. Embedded (SQLite file, in-process broker) by default; "
+        "relay once and deliver some events twice on purpose, run the send_receipt task "
+        "each order enqueued (embedded), then reconcile orders, outbox rows, points and "
+        "receipts. Embedded (SQLite file, in-process broker) by default; "
         "PostgreSQL/MySQL and RabbitMQ or NATS when DATABASE_URL / BROKER_URL are set."
     )
 
