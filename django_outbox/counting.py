@@ -74,7 +74,8 @@ def planner_rows(queryset: QuerySet[Any]) -> int | None:
     """The planner's estimate of the rows ``queryset`` returns; None where there is none
     (SQLite)."""
     connection = connections[queryset.db]
-    sql, params = queryset.values("pk").query.sql_with_params()
+    # Compiled for the rows' own database: sql_with_params() compiles for the default one.
+    sql, params = queryset.values("pk").query.get_compiler(using=queryset.db).as_sql()
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
