@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connections, router
-from django.db.models import Min, Q, QuerySet
+from django.db.models import Min, QuerySet
 
 from .conf import outbox_settings
 from .counting import RowCount, count_rows
 from .db import db_now, django_datetime
 from .models import OutboxEvent, Status, outbox_db
+from .schedule import due_q, scheduled_q
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,13 @@ def gauges(using: str | None = None) -> Gauges:
     events = OutboxEvent.objects.using(using).order_by()
     pending = events.filter(status=Status.PENDING)
     counts = {
-        # Not scheduled for later (as scheduled_q() at ``now``): due, in flight or in
-        # retry backoff.
-        "pending": count_rows(pending.filter(Q(due_at__isnull=True) | Q(due_at__lte=now))),
+        # Not scheduled for later: due, in flight or in retry backoff.
+        "pending": count_rows(pending.filter(due_q(now))),
         # A row scheduled for later has next_retry_time = due_at (emit() writes both, and
         # only a requeue or a failed attempt moves it, after it became due), so the
         # redundant condition lets the count walk (status, next_retry_time) past ``now``
         # instead of every PENDING row.
-        "scheduled": count_rows(pending.filter(next_retry_time__gt=now, due_at__gt=now)),
+        "scheduled": count_rows(pending.filter(scheduled_q(now), next_retry_time__gt=now)),
         "dead": count_rows(events.filter(status=Status.DEAD)),
     }
     oldest = oldest_due_since(pending, now)

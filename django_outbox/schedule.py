@@ -76,6 +76,13 @@ def scheduled_q(now: Any = None) -> models.Q:
     return models.Q(status=Status.PENDING, due_at__gt=DbNow() if now is None else now)
 
 
+def due_q(now: Any) -> models.Q:
+    """Of the PENDING rows, those :func:`scheduled_q` leaves out at ``now``: never
+    scheduled nor requeued, or due since (written out, not negated, so that a count of
+    them reads the ``due_at`` range itself)."""
+    return models.Q(due_at__isnull=True) | models.Q(due_at__lte=now)
+
+
 def due_since() -> Coalesce:
     """When a row became due: ``due_at`` (scheduled, or requeued), else ``created_at``.
 
