@@ -365,7 +365,10 @@ def test_in_process_broker_routes_django_tasks_to_their_own_queue():
     broker = InProcessBroker()
     backend = InProcessBrokerBackend(**_client(broker))
     try:
-        event, task = unsaved_event(pk=1), unsaved_event("django.tasks.default", pk=2)
+        from django_outbox.tasks_backend import task_event_type
+
+        # The backend's own routing key: the broker's copy of its prefix must match it.
+        event, task = unsaved_event(pk=1), unsaved_event(task_event_type("default"), pk=2)
         assert [r.ok for r in backend.publish([event, task])] == [True, True]
         assert (len(broker), broker.waiting(TASKS)) == (1, 1)
         taken = broker.get(TASKS)

@@ -50,6 +50,8 @@ AUTHKEY_ENV = "DEMO_BROKER_AUTHKEY"  # hex
 #: The broker's two queues: the events (the points consumer's) and the Django tasks.
 EVENTS = "events"
 TASKS = "tasks"
+# tasks_backend.EVENT_TYPE_PREFIX, written out: the relay children import this module, and
+# tasks_backend cannot be imported where the Tasks API is missing (Django 5.2 alone).
 _TASK_ROUTING_PREFIX = "django.tasks."
 
 
