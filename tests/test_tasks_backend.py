@@ -309,7 +309,10 @@ def test_a_first_delivery_starts_with_one_insert_and_a_task_killed_after_start_r
     assert row.status == OutboxTaskResult.TaskStatus.RUNNING
     statements = [q["sql"] for q in queries.captured_queries if "outbox" in q["sql"].lower()]
     assert len(statements) == 1
-    assert statements[0].upper().startswith("INSERT")
+    # On PostgreSQL its commit is not flushed: one query of two statements, one round trip.
+    lazy = "SET LOCAL synchronous_commit TO OFF; "
+    assert statements[0].removeprefix(lazy).upper().startswith("INSERT")
+    assert statements[0].startswith(lazy) == (connection.vendor == "postgresql")
     result.refresh()
     assert result.status == TaskResultStatus.RUNNING
     # Killed there (RUNNING, nothing acknowledged): the redelivery finds the row, runs the

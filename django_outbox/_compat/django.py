@@ -109,12 +109,12 @@ def _prepare(field: Any) -> tuple[Any, bool, bool]:
 def _insert_sql(
     model: type[models.Model], using: str, vendor: str, returning: bool
 ) -> tuple[list[Any], str, str]:
-    """The fields an INSERT of ``model`` writes (all but the primary key), each with how
-    its value is read (:func:`_prepare`), and the SQL before (``INSERT INTO t (a, b, ...)
-    VALUES``) and after (``RETURNING t.id``) its rows, quoted for database ``using`` (of
-    ``vendor``)."""
+    """The fields an INSERT of ``model`` writes (all but a primary key the database makes),
+    each with how its value is read (:func:`_prepare`), and the SQL before (``INSERT INTO t
+    (a, b, ...) VALUES``) and after (``RETURNING t.id``) its rows, quoted for database
+    ``using`` (of ``vendor``)."""
     opts = model._meta
-    fields = [_prepare(f) for f in opts.concrete_fields if not f.primary_key]
+    fields = [_prepare(f) for f in opts.concrete_fields if not _made_by_database(f)]
     qn = connections[using].ops.quote_name
     table = qn(opts.db_table)
     columns = ", ".join(qn(str(f.column)) for f, _, _ in fields)
@@ -123,13 +123,27 @@ def _insert_sql(
     return fields, head, tail
 
 
-def insert_rows(model: type[_Model], using: str, objs: Sequence[_Model]) -> None:
-    """Insert ``objs`` (unsaved instances of ``model``, an auto-incremented primary key)
-    as ``bulk_create()`` does: one INSERT, or as many as the database's parameter limit
-    needs (SQLite); the primary keys set where the database returns them."""
+def _made_by_database(field: Any) -> bool:
+    """A primary key the database makes (an auto-incremented one): not written."""
+    return bool(field.primary_key and field.db_returning)
+
+
+def insert_rows(
+    model: type[_Model], using: str, objs: Sequence[_Model], *, prefix: str = ""
+) -> None:
+    """Insert ``objs`` (unsaved instances of ``model``) as ``bulk_create()`` does: one
+    INSERT, or as many as the database's parameter limit needs (SQLite); an
+    auto-incremented primary key set where the database returns it, any other written.
+
+    ``prefix``: SQL sent in the same query before each INSERT (``SET LOCAL ...; ``), for a
+    model whose primary key is written (nothing is read back) and a connection that binds
+    parameters on the client (Django's default on PostgreSQL)."""
     connection = connections[using]
-    returning = connection.features.can_return_rows_from_bulk_insert
+    returning = bool(
+        connection.features.can_return_rows_from_bulk_insert and _made_by_database(model._meta.pk)
+    )
     fields, head, tail = _insert_sql(model, using, connection.vendor, returning)
+    head = prefix + head
     compiler: Any = None
     # Expressions other than the clock compiled once per call and object (a scheduled
     # row's due time caches its own SQL).
