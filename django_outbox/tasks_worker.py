@@ -23,12 +23,17 @@ the outbox's database:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import sys
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -47,7 +52,7 @@ from ._compat.tasks import (
     task_started,
 )
 from .conf import outbox_settings
-from .consumer.base import BaseConsumer
+from .consumer.base import BaseConsumer, BrokerUnreachable, ImproperlyConfiguredConsumer
 from .consumer.dispatch import Action, ConsumeResult, Decision, Dispatcher
 from .consumer.handlers import IdempotentHandler, Outcome, connection_lost
 from .message import Delivery, ReceivedEvent
@@ -372,7 +377,15 @@ def task_consumer(
 
 class Worker:
     """``outbox_worker``: ``concurrency`` consumers per task queue, each on a thread of its
-    own (its own broker connection and database connection), until ``stop`` is set."""
+    own (its own broker connection and database connection), in each of ``processes``
+    worker processes, until ``stop`` is set.
+
+    With ``processes`` above 1 this process forks them and only watches: a signal it gets
+    is passed on to each (the first: finish the task in hand; the second: exit at once);
+    one that dies (``kill -9``, out of memory) stops the others and :meth:`serve` raises
+    :class:`WorkerProcessDied`: what it held comes back from the broker. A process whose
+    parent is gone (killed with ``-9`` itself) finishes its task in hand and exits.
+    """
 
     def __init__(
         self,
@@ -380,6 +393,7 @@ class Worker:
         backend_alias: str = "default",
         queue_names: Iterable[str] | None = None,
         concurrency: int = 1,
+        processes: int = 1,
         consumer_class: type[BaseConsumer[Any]],
         **options: Any,
     ) -> None:
@@ -396,7 +410,10 @@ class Worker:
                 f"queue(s) {unknown} are not in TASKS[{backend_alias!r}]['QUEUES'] "
                 f"({sorted(backend.queues)})"
             )
+        if processes > 1 and not hasattr(os, "fork"):
+            raise ValueError("--processes above 1 needs os.fork(), which this system lacks.")
         self.queue_names = names
+        self.processes = processes
         self.consumers = [
             task_consumer(backend_alias, name, consumer_class=consumer_class, **options)
             for name in names
@@ -405,6 +422,11 @@ class Worker:
 
     def serve(self, *, stop: threading.Event, once: bool = False) -> ConsumeResult:
         """Run every consumer until ``stop`` (``once``: until each queue stayed empty)."""
+        if self.processes > 1:
+            return self._serve_processes(stop, once)
+        return self._serve_threads(stop, once)
+
+    def _serve_threads(self, stop: threading.Event, once: bool) -> ConsumeResult:
         totals: list[ConsumeResult] = []
         errors: list[BaseException] = []
 
@@ -439,6 +461,141 @@ class Worker:
             raise errors[0]
         return _total(totals)
 
+    # -- worker processes ------------------------------------------------------------------------
+    def _serve_processes(self, stop: threading.Event, once: bool) -> ConsumeResult:
+        # A database connection must not be shared by two processes: each opens its own.
+        connections.close_all()
+        parent = os.getpid()
+        children: dict[int, int] = {}  # pid -> the read end of its pipe
+        for _ in range(self.processes):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover (the child's coverage is not collected)
+                os.close(read)
+                for other in children.values():
+                    os.close(other)
+                os._exit(self._child(stop, once, parent, write))
+            os.close(write)
+            children[pid] = read
+        results: list[ConsumeResult] = []
+        failures: list[BaseException] = []
+        signalled = False
+        try:
+            while children:
+                if stop.is_set() and not signalled:
+                    signalled = True
+                    _signal(children, signal.SIGTERM)
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    time.sleep(0.1)
+                    continue
+                if pid not in children:
+                    continue
+                read = children.pop(pid)
+                with os.fdopen(read, "rb") as pipe:
+                    report = pipe.read()
+                outcome = _child_outcome(pid, status, report)
+                if isinstance(outcome, ConsumeResult):
+                    results.append(outcome)
+                    continue
+                failures.append(outcome)
+                if not stop.is_set():
+                    stop.set()
+        except BaseException:
+            # A second signal (SystemExit): each process is told, and exits at once too.
+            _signal(children, signal.SIGTERM)
+            raise
+        if failures:
+            raise failures[0]
+        return _total(results)
+
+    def _child(self, stop: threading.Event, once: bool, parent: int, write: int) -> int:
+        """The body of one worker process: its exit code. Its totals, or its error, go to
+        the parent through the pipe ``write``."""
+        # Its own process group: a Ctrl-C in a terminal reaches the parent only, which
+        # passes it on once (a second one would make this process exit at once).
+        os.setpgid(0, 0)
+        for consumer in self.consumers:  # an attempt's worker id names its process
+            for cls in consumer.dispatcher.handler_classes:
+                if issubclass(cls, TaskHandler):
+                    cls.worker = worker_id()
+        watcher = threading.Thread(
+            target=_watch_parent, args=(parent, stop), name="outbox_worker-parent", daemon=True
+        )
+        watcher.start()
+        code = 0
+        try:
+            report: dict[str, Any] = {"result": self._serve_threads(stop, once).as_dict()}
+        except SystemExit as exc:  # a second signal
+            code = exc.code if isinstance(exc.code, int) else 1
+            report = {"exit": code}
+        except BaseException as exc:
+            logger.exception("worker process %d failed", os.getpid())
+            code = 1
+            report = {"error": str(exc), "kind": type(exc).__name__}
+        finally:
+            connections.close_all()
+        with os.fdopen(write, "w") as pipe:
+            json.dump(report, pipe)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return code
+
+
+class WorkerProcessDied(Exception):
+    """A worker process of ``outbox_worker --processes`` ended without finishing its run
+    (killed, or out of memory): the others were stopped."""
+
+
+def _signal(children: dict[int, int], signum: int) -> None:
+    for pid in children:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _watch_parent(parent: int, stop: threading.Event) -> None:
+    """Stop this worker process once its parent is gone (``kill -9``: no signal is passed
+    on): it finishes its task in hand, as after SIGTERM, instead of running on alone."""
+    while not stop.wait(1.0):
+        if os.getppid() != parent:
+            logger.warning("outbox_worker's parent process is gone: stopping")
+            stop.set()
+
+
+def _child_outcome(pid: int, status: int, report: bytes) -> ConsumeResult | BaseException:
+    """A finished worker process's totals, or the error to raise for it."""
+    try:
+        data = json.loads(report) if report else {}
+    except ValueError:
+        data = {}
+    if "result" in data:
+        return _result_from(data["result"])
+    if "error" in data:
+        kinds: dict[str, type[Exception]] = {
+            "BrokerUnreachable": BrokerUnreachable,
+            "ImproperlyConfiguredConsumer": ImproperlyConfiguredConsumer,
+        }
+        return kinds.get(data["kind"], WorkerProcessDied)(data["error"])
+    if "exit" in data:
+        return SystemExit(data["exit"])
+    if os.WIFSIGNALED(status):
+        how = f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    else:
+        how = f"exited with {os.waitstatus_to_exitcode(status)}"
+    return WorkerProcessDied(
+        f"worker process {pid} {how}; the other processes were stopped (its unfinished "
+        "tasks come back from the broker)"
+    )
+
+
+def _result_from(data: dict[str, Any]) -> ConsumeResult:
+    """A :class:`ConsumeResult` from its :meth:`~ConsumeResult.as_dict` form."""
+    result = ConsumeResult(messages=data["messages"], dead_lettered=data["dead_lettered"])
+    for name, count in data["outcomes"].items():
+        result.counts[Outcome(name)] += count
+    result.formats.update(data["formats"])
+    return result
+
 
 def _total(results: Iterable[ConsumeResult]) -> ConsumeResult:
     total = ConsumeResult()
@@ -447,4 +604,6 @@ def _total(results: Iterable[ConsumeResult]) -> ConsumeResult:
         total.dead_lettered += result.dead_lettered
         for outcome, count in result.counts.items():
             total.counts[outcome] += count
+        for name, count in result.formats.items():
+            total.formats[name] = total.formats.get(name, 0) + count
     return total

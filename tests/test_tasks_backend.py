@@ -545,6 +545,78 @@ def test_worker_stopped_mid_task_the_task_completes_once_later(broker, tmp_path,
     assert Widget.objects.filter(code="k1").count() == 1
 
 
+@pytest.mark.amqp
+def test_outbox_worker_processes_run_the_queue_and_sum_their_totals(broker, tmp_path):
+    _declare_task_queue(broker)
+    results = [make_widget.enqueue(f"p{i}") for i in range(6)]
+    _relay_to(broker)
+    child = _worker_child(broker, tmp_path, "--once", "--processes", "2", "--json")
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err.decode()
+    assert '"processed": 6' in out.decode()
+    for result in results:
+        result.refresh()
+        assert result.status == TaskResultStatus.SUCCESSFUL
+    assert Widget.objects.count() == 6
+
+
+@pytest.mark.amqp
+@pytest.mark.parametrize("how", ["term", "kill the process", "kill the parent"])
+def test_worker_processes_stopped_mid_task(broker, tmp_path, how):
+    """--processes: SIGTERM to the parent finishes the task in hand (exit 0); a worker
+    process killed -9 stops the rest (exit 1) and its task runs again later; a parent
+    killed -9 leaves no worker process behind: it finishes its task, then exits."""
+    import os
+
+    _declare_task_queue(broker)
+    marker = tmp_path / "running"
+    result = slow_widget.enqueue("k2", str(marker), 3.0)
+    _relay_to(broker)
+    child = _worker_child(broker, tmp_path, "--processes", "2")
+    try:
+        assert wait_for(marker.exists, timeout=60), child.stderr.read1().decode()  # type: ignore[union-attr]
+        worker = int(marker.read_text())
+        assert worker != child.pid
+        if how == "term":
+            child.send_signal(signal.SIGTERM)
+            _out, err = child.communicate(timeout=60)
+            assert child.returncode == 0, err.decode()
+        elif how == "kill the process":
+            os.kill(worker, signal.SIGKILL)
+            _out, err = child.communicate(timeout=60)
+            assert child.returncode == 1
+            assert "was killed by SIGKILL" in err.decode()
+            # Its task came back to the broker: the other process, not stopped yet, may
+            # have taken it and finished it before it stopped; else the next worker runs it.
+        else:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+            assert wait_for(lambda: _ended(worker), timeout=60)
+        if how != "kill the process":
+            result.refresh()
+            assert result.status == TaskResultStatus.SUCCESSFUL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    marker.unlink(missing_ok=True)
+    again = _worker_child(broker, tmp_path, "--once")
+    _out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err.decode()
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.attempts == (2 if how == "kill the process" else 1)
+    assert Widget.objects.filter(code="k2").count() == 1
+
+
+def _ended(pid: int) -> bool:
+    """The process has exited (gone, or a zombie its new parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 # -- the admin --------------------------------------------------------------------------------
 @pytest.mark.skipif(not TASK_OPTIONS, reason="@task(max_retries=) needs Django 6.1+")
 @override_settings(OUTBOX_RETRY_SCHEDULE=[0])

@@ -6,9 +6,10 @@ its tasks, recording each result with the task's own writes. Runs until SIGTERM/
 
 The consumer engine of ``consume_outbox`` with the task handler
 (``django_outbox.tasks_worker``): one broker queue per task queue, ``--concurrency``
-consumers (threads) on each.
+consumers (threads) on each, in each of ``--processes`` worker processes.
 
-Exit codes: 0 stopped by a signal, or ``--once`` done; 1 a second signal; 2 misconfigured
+Exit codes: 0 stopped by a signal, or ``--once`` done; 1 a second signal, or a worker
+process of ``--processes`` died (the others are stopped); 2 misconfigured
 (TASKS, a queue not in QUEUES, the broker URL, a task queue that exists with other
 arguments), the outbox's database unreachable or unmigrated at start, or (``--once``) no
 broker node could be connected to.
@@ -50,8 +51,16 @@ class Command(ConsumerCommand):
             "--concurrency",
             type=positive_int,
             default=1,
-            help="Tasks run at once per queue, each on a thread with its own broker and "
-            "database connections (default 1).",
+            help="Tasks run at once per queue in each process, each on a thread with its "
+            "own broker and database connections (default 1).",
+        )
+        parser.add_argument(
+            "--processes",
+            type=positive_int,
+            default=1,
+            help="Worker processes, forked from this one, each running --concurrency tasks "
+            "per queue: the tasks' Python code on more than one core (default 1: this "
+            "process runs them).",
         )
         self.add_broker_arguments(
             parser,
@@ -80,6 +89,7 @@ class Command(ConsumerCommand):
         backend: str,
         queues: list[str] | None,
         concurrency: int,
+        processes: int,
         exchange: str | None,
         prefetch: int | None,
         queue_type: str | None,
@@ -89,13 +99,14 @@ class Command(ConsumerCommand):
         **options: Any,
     ) -> None:
         configure_logging(verbosity)
-        from ...tasks_worker import Worker
+        from ...tasks_worker import Worker, WorkerProcessDied
 
         try:
             worker = Worker(
                 backend_alias=backend,
                 queue_names=queues,
                 concurrency=concurrency,
+                processes=processes,
                 consumer_class=transport_consumer(),
                 exchange=exchange,
                 prefetch=prefetch,
@@ -112,9 +123,14 @@ class Command(ConsumerCommand):
         if verbosity >= 1:
             self.stderr.write(
                 f"outbox_worker: queue(s) {', '.join(worker.queue_names)} of TASKS[{backend!r}], "
-                f"{concurrency} at once each, on {worker.consumers[0].nodes}"
+                f"{concurrency} at once each"
+                f"{f' in each of {processes} processes' if processes > 1 else ''}, on "
+                f"{worker.consumers[0].nodes}"
             )
-        self.serve(lambda stop: worker.serve(stop=stop, once=once), json=json)
+        try:
+            self.serve(lambda stop: worker.serve(stop=stop, once=once), json=json)
+        except WorkerProcessDied as exc:
+            raise CommandError(f"outbox_worker: {exc}", returncode=1) from exc
 
 
 def _backend(alias: str) -> Any:
