@@ -31,6 +31,8 @@ EXTRA_RUNS = [
     ("relay_bench", ["--transport", "nats"]),
     ("raw_redis", []),
     ("relay_bench", ["--transport", "redis"]),
+    ("tasks_bench", ["--processes", "2"]),
+    ("tasks_bound", ["--processes", "1,2"]),
 ]
 
 
