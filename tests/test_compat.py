@@ -664,6 +664,35 @@ def test_insert_rows_writes_the_rows_bulk_create_writes() -> None:
             assert OutboxEvent.objects.get(pk=event.pk).event_id == event.event_id
 
 
+@pytest.mark.django_db(transaction=True)
+def test_insert_rows_writes_a_primary_key_the_database_does_not_make_after_a_prefix() -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from django_outbox.models import OutboxTaskResult
+
+    def result(pk: str) -> OutboxTaskResult:
+        return OutboxTaskResult(
+            pk=pk,
+            task_path="tests.task_functions.add",
+            backend_name="default",
+            queue_name="default",
+            args_kwargs={"args": [1, 2], "kwargs": {}},
+            enqueued_at=datetime.now(timezone.utc),
+        )
+
+    rows = [result("written-1"), result("written-2")]
+    prefix = "SELECT 1; " if connection.vendor == "postgresql" else ""
+    with CaptureQueriesContext(connection) as queries:
+        insert_rows(OutboxTaskResult, DEFAULT_DB_ALIAS, rows, prefix=prefix)
+    (statement,) = [q["sql"] for q in queries.captured_queries]
+    assert statement.startswith(prefix + "INSERT")
+    assert sorted(OutboxTaskResult.objects.values_list("pk", "args_kwargs")) == [
+        ("written-1", {"args": [1, 2], "kwargs": {}}),
+        ("written-2", {"args": [1, 2], "kwargs": {}}),
+    ]
+    assert all(not row._state.adding for row in rows)
+
+
 @pytest.mark.django_db
 def test_has_commit_hook_sees_the_hooks_of_open_savepoints_only() -> None:
     def hook() -> None:

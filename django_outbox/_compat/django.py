@@ -19,7 +19,9 @@
   where ``can_return_rows_from_bulk_insert``, ``_state`` as saved; a value the instance
   carries prepared already, under :data:`PREPARED`, written as it is) without the rest of
   ``bulk_create()``'s work per call: on an ``emit()`` of one event, ``bulk_create()`` spent
-  more time in Python than the database spent on the INSERT.
+  more time in Python than the database spent on the INSERT. A primary key the database
+  does not make (a task result's id) is written; a ``prefix`` goes before the INSERT in
+  the same query (a task's ``SET LOCAL synchronous_commit``: one round trip).
 * :func:`has_commit_hook`: whether a function is among a connection's ``on_commit`` hooks,
   from its undocumented ``run_on_commit`` list.
 * :func:`delete_rows`: a queryset's rows deleted by one ``DELETE ... WHERE`` of its filter
