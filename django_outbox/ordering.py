@@ -123,15 +123,20 @@ def heads(
     """The id of every aggregate's head: its earliest ordered row that blocks (PENDING, and
     DEAD unless the policy skips them). Meant for ``id__in``.
 
-    One pass over the unsent ordered rows, grouped by aggregate: its cost follows the
-    backlog, not the table, and it does not depend on the planner choosing an index per
-    candidate row (a per-row ``NOT EXISTS`` probe did, and degraded to a scan of the
-    aggregate's sent history for a hot aggregate).
+    On PostgreSQL and MySQL/MariaDB one index entry per aggregate with unsent rows
+    (``django_outbox_heads_idx``, migrations 0012 and 0013: :func:`_heads_skip_scan`,
+    :func:`_heads_loose_scan`). On SQLite one pass over the unsent ordered rows, grouped by
+    aggregate: its cost follows the backlog, not the table, and it does not depend on the
+    planner choosing an index per candidate row (a per-row ``NOT EXISTS`` probe did, and
+    degraded to a scan of the aggregate's sent history for a hot aggregate).
     """
     q = ordered_q(ordered)
     assert q is not None
-    if connections[base.db].vendor == "postgresql":
+    vendor = connections[base.db].vendor
+    if vendor == "postgresql":
         return _heads_skip_scan(base, ordered, policy)  # type: ignore[return-value]
+    if vendor == "mysql":
+        return _heads_loose_scan(base, ordered, policy)  # type: ignore[return-value]
     return (
         base.filter(status__in=blocking_statuses(policy))
         .filter(q)
@@ -159,16 +164,42 @@ def _only(ordered: Ordered, quote: Any, alias: str = "") -> tuple[str, list[str]
     return sql, [*names, *names]
 
 
-def window_only(
-    queryset: OutboxEventQuerySet, ordered: Ordered, policy: str | None, window: int
-) -> OutboxEventQuerySet:
-    """``queryset`` without the ordered rows that are not among the heads
-    :func:`window_heads` finds (the first look of a claim on MySQL/MariaDB)."""
+def claimable(
+    queryset: OutboxEventQuerySet,
+    ordered: Ordered,
+    policy: str | None,
+    limit: int,
+    *,
+    window: bool,
+) -> list[int]:
+    """MySQL/MariaDB: the ids a claim's locking read then takes from (by primary key), read
+    without locks in a statement of their own: the heads (``window``: among the oldest rows,
+    :func:`window_heads`; else every aggregate's, :func:`heads`) and the ``limit`` oldest
+    unordered rows of ``queryset``.
+
+    A list, not a filter: with ``NOT ordered OR id IN heads`` (or ``id IN`` a subquery of
+    the candidates) in the locking read, MariaDB walked every due row by id, past a hot
+    aggregate's whole queue, whenever it expected the walk to fill the batch; with the ids
+    given it reads each one on the primary key. The unordered rows come from
+    ``django_outbox_heads_idx`` (``status, aggregate_id``: migration 0013) when
+    ``OUTBOX_ORDERED`` is ``True``. A head in this statement's snapshot is still one when it
+    is locked, as in one statement (see :func:`heads_only`): rows do not become unsent
+    again; one another relay claimed meanwhile is locked or no longer due there.
+    """
     q = ordered_q(ordered)
-    if q is None:
-        return queryset
+    assert q is not None
     base = queryset.model._default_manager.using(queryset.db).all()
-    return queryset.filter(~q | Q(id__in=window_heads(base, ordered, policy, window)))
+    found = (
+        window_heads(base, ordered, policy, limit * HEADS_WINDOW)
+        if window
+        else heads(base, ordered, policy)
+    )
+    assert isinstance(found, RawSQL)
+    unordered = queryset.filter(~q).order_by("id").values("id")[:limit]
+    sql, params = unordered.query.get_compiler(using=queryset.db).as_sql()
+    with connections[queryset.db].cursor() as cursor:
+        cursor.execute(f"({found.sql}) UNION ALL ({sql})", [*found.params, *params])
+        return [pk for (pk,) in cursor.fetchall() if pk is not None]
 
 
 def window_heads(
@@ -186,30 +217,57 @@ def window_heads(
     quote = connections[base.db].ops.quote_name
     table = quote(base.model._meta.db_table)
     t, a, pk, status = (quote(name) for name in ("aggregate_type", "aggregate_id", "id", "status"))
-    statuses = ", ".join(str(int(s)) for s in blocking_statuses(policy))
     only, params = _only(ordered, quote)
     only_p, params_p = _only(ordered, quote, "p.")
-    # A row is a head when it is the first entry of its aggregate that counts. On
-    # PostgreSQL asked in the index's own order, so that it reads one entry of
-    # django_outbox_heads_idx (an anti-join "no earlier row" let it choose the primary key,
-    # and estimate so high a cost that it compiled the statement with JIT: 400 ms); MariaDB
-    # answers a MIN() from the ends of the (status) ranges of agg_head_idx.
-    first = (
-        f"SELECT p.{pk} FROM {table} p WHERE p.{status} IN (0, 2) AND p.{a} <> '' "
-        f"AND p.{t} = w.t AND p.{a} = w.a AND p.{status} IN ({statuses}){only_p} "
-        f"ORDER BY p.{t}, p.{a}, p.{pk} LIMIT 1"
-        if connections[base.db].vendor == "postgresql"
-        else f"SELECT MIN(p.{pk}) FROM {table} p WHERE p.{t} = w.t AND p.{a} = w.a "
-        f"AND p.{status} IN ({statuses}){only_p}"
-    )
-    # By id: MariaDB would rather read every PENDING row on (status, next_retry_time).
-    walk = "" if connections[base.db].vendor == "postgresql" else " FORCE INDEX (PRIMARY)"
+    if connections[base.db].vendor == "postgresql":
+        # A row is a head when it is the first entry of its aggregate that counts, asked
+        # in the index's own order, so that it reads one entry of django_outbox_heads_idx
+        # (an anti-join "no earlier row" let it choose the primary key, and estimate so
+        # high a cost that it compiled the statement with JIT: 400 ms).
+        statuses = ", ".join(str(int(s)) for s in blocking_statuses(policy))
+        check = (
+            f"w.id = (SELECT p.{pk} FROM {table} p WHERE p.{status} IN (0, 2) "
+            f"AND p.{a} <> '' AND p.{t} = w.t AND p.{a} = w.a AND p.{status} IN ({statuses})"
+            f"{only_p} ORDER BY p.{t}, p.{a}, p.{pk} LIMIT 1)"
+        )
+        walk = ""
+    else:
+        # MySQL/MariaDB: the first PENDING row of its aggregate, and no DEAD one before it
+        # when they block, each one equality on agg_head_idx read in id order, one entry.
+        # (A MIN() over status IN (0, 2) read every unsent row of the aggregate: a claim
+        # took twice as long with 20 events queued per aggregate as with one.)
+        check, params_p = _is_head(table, quote, "w", ordered, policy)
+        # By id: MariaDB would rather read every PENDING row on (status, next_retry_time).
+        walk = " FORCE INDEX (PRIMARY)"
     sql = (
         f"SELECT w.id FROM (SELECT {pk} AS id, {t} AS t, {a} AS a FROM {table}{walk} "
         f"WHERE {status} = 0 AND {quote('due_at')} IS NULL AND {a} <> ''{only} "
-        f"ORDER BY {pk} LIMIT %s) w WHERE w.id = ({first})"
+        f"ORDER BY {pk} LIMIT %s) w WHERE {check}"
     )
     return _once(base, sql, [*params, int(window), *params_p])
+
+
+def _is_head(
+    table: str, quote: Any, alias: str, ordered: Ordered, policy: str | None
+) -> tuple[str, list[str]]:
+    """MySQL/MariaDB: the condition that the PENDING ordered row ``alias`` (columns ``id``,
+    ``t``, ``a``) is its aggregate's head, and its parameters."""
+    t, a, pk, status = (quote(name) for name in ("aggregate_type", "aggregate_id", "id", "status"))
+    only_p, params = _only(ordered, quote, "p.")
+    sql = (
+        f"{alias}.id = (SELECT p.{pk} FROM {table} p WHERE p.{t} = {alias}.t "
+        f"AND p.{a} = {alias}.a AND p.{status} = {int(Status.PENDING)}{only_p} "
+        f"ORDER BY p.{pk} LIMIT 1)"
+    )
+    if Status.DEAD in blocking_statuses(policy):
+        only_d, params_d = _only(ordered, quote, "d.")
+        sql += (
+            f" AND NOT EXISTS (SELECT 1 FROM {table} d WHERE d.{t} = {alias}.t "
+            f"AND d.{a} = {alias}.a AND d.{status} = {int(Status.DEAD)} "
+            f"AND d.{pk} < {alias}.id{only_d})"
+        )
+        params += params_d
+    return sql, params
 
 
 def _once(base: OutboxEventQuerySet, sql: str, params: list[Any]) -> RawSQL:
@@ -257,6 +315,42 @@ def _heads_skip_scan(base: OutboxEventQuerySet, ordered: Ordered, policy: str | 
         walk + f"SELECT h.id FROM agg CROSS JOIN LATERAL (SELECT {pk} AS id FROM {table} "
         f"WHERE {unsent} AND {t} = agg.t AND {a} = agg.a AND {pk} >= agg.head "
         f"AND {status} IN ({statuses}){only} ORDER BY {pk} LIMIT 1) h",
+        params,
+    )
+
+
+def _heads_loose_scan(base: OutboxEventQuerySet, ordered: Ordered, policy: str | None) -> RawSQL:
+    """MySQL/MariaDB: :func:`heads` read from ``django_outbox_heads_idx`` (``status,
+    aggregate_id, aggregate_type, id``, migration 0013), one index entry per aggregate and
+    blocking status: the optimizer's own loose index scan ("Using index for group-by")
+    jumps from each aggregate's first row of a status to the next aggregate's, and the SENT
+    rows are in a range of their own that it never reads. The earlier of an aggregate's
+    first PENDING and first DEAD row (when DEAD rows block) is its head.
+
+    With ``OUTBOX_ORDERED`` a list of types the head is looked up from there, one entry of
+    ``agg_head_idx`` for each (passing the rows of other types: few). MariaDB has no
+    partial index, and no loose scan on an index of generated columns (a virtual column
+    NULL on SENT rows would have kept them out of the index's way), so status leads.
+    """
+    quote = connections[base.db].ops.quote_name
+    table = quote(base.model._meta.db_table)
+    t, a, pk, status = (quote(name) for name in ("aggregate_type", "aggregate_id", "id", "status"))
+    statuses = ", ".join(str(int(s)) for s in blocking_statuses(policy))
+    groups = (
+        f"SELECT {status} AS s, {t} AS t, {a} AS a, MIN({pk}) AS id FROM {table} "
+        f"WHERE {status} IN ({statuses}) AND {a} <> '' GROUP BY {status}, {a}, {t}"
+    )
+    first = "g.id"
+    params: list[str] = []
+    if ordered is not True:
+        only_p, params = _only(ordered, quote, "p.")
+        first = (
+            f"(SELECT p.{pk} FROM {table} p WHERE p.{t} = g.t AND p.{a} = g.a "
+            f"AND p.{status} = g.s{only_p} ORDER BY p.{pk} LIMIT 1)"
+        )
+    return RawSQL(
+        f"SELECT MIN(f.id) AS id FROM (SELECT {first} AS id, g.t, g.a FROM ({groups}) g) f "
+        f"WHERE f.id IS NOT NULL GROUP BY f.t, f.a",
         params,
     )
 

@@ -254,9 +254,10 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         brings up to ``run - 1`` followers, leased under the same token; so does each row of
         ``after`` (the last event of each run of this relay's batch in flight, confirmed and
         not yet settled), up to ``run``. ``heads=False``: only the runs behind ``after``,
-        no head and no unordered row: finding heads reads the whole unsent ordered backlog,
-        continuing a run only the run, so the relay leaves the search out of some of its
-        claims (:class:`django_outbox.relay.runs.HeadSearch`).
+        no head and no unordered row: finding heads reads an index entry per aggregate with
+        unsent events (on SQLite the whole unsent ordered backlog), continuing a run only
+        the run, so the relay leaves the search out of some of its claims
+        (:class:`django_outbox.relay.runs.HeadSearch`).
         """
         token = token or uuid.uuid4().hex
         ordered = ordering.current_ordered() if ordered is None else ordered
@@ -286,34 +287,44 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         if vendor == "postgresql":
             rows = self._lease_returning(self, limit, lease_seconds, token, ordered, dead_head)
         else:
-            rows = []
             if vendor == "mysql" and ordering.ordered_q(ordered) is not None:
                 # The oldest rows first, as on PostgreSQL (_lease_returning); then, if the
                 # batch has room left, every head (rows just leased are no longer due).
-                window = ordering.window_only(
-                    self, ordered, dead_head, limit * ordering.HEADS_WINDOW
+                # Each look locks candidates listed beforehand (ordering.claimable).
+                ids = ordering.claimable(self, ordered, dead_head, limit, window=True)
+                rows = self._lock_and_lease(self._ids_or_none(ids), limit, lease_seconds, token)
+                room = limit - len(rows)
+                if room > 0:
+                    ids = ordering.claimable(self, ordered, dead_head, room, window=False)
+                    rows += self._lock_and_lease(self._ids_or_none(ids), room, lease_seconds, token)
+                    rows.sort(key=lambda row: row.pk)
+            else:
+                rows = self._lock_and_lease(
+                    ordering.heads_only(self, ordered, dead_head), limit, lease_seconds, token
                 )
-                rows = self._lock_and_lease(window, limit, lease_seconds, token)
-            if len(rows) < limit:
-                rows += self._lock_and_lease(
-                    ordering.heads_only(self, ordered, dead_head),
-                    limit - len(rows),
-                    lease_seconds,
-                    token,
-                )
-                rows.sort(key=lambda row: row.pk)
         if rows and ordered:
             base = self.model._default_manager.using(self.db).all()
             ordering.set_previous_sequences(base, rows, ordered)
         return rows
 
+    def _ids_or_none(self, ids: Sequence[int]) -> OutboxEventQuerySet:
+        return self.with_ids(ids) if ids else self.none()
+
     def _lock_and_lease(
         self, candidates: OutboxEventQuerySet, limit: int, lease_seconds: float, token: str
     ) -> list[OutboxEvent]:
         """Lock, read and lease up to ``limit`` of ``candidates``, oldest first (not PG)."""
+        if not limit or candidates.query.is_empty():
+            return []
         locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
         query = locked.values_list(*CLAIM_FIELDS).query
-        rows = self._fetch_rows(*query.get_compiler(using=self.db).as_sql())
+        sql, params = query.get_compiler(using=self.db).as_sql()
+        if getattr(connections[self.db], "mysql_is_mariadb", False):
+            # MariaDB turns an IN list of 1,000 ids or more into a subquery on a table of
+            # values, and then walks the primary key past a hot aggregate's whole queue
+            # probing it; as a list it reads each id on the primary key.
+            sql = f"SET STATEMENT in_predicate_conversion_threshold=0 FOR {sql}"
+        rows = self._fetch_rows(sql, params)
         if rows:
             self._lease([row.pk for row in rows], lease_seconds, token)
         return rows

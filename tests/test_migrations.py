@@ -185,3 +185,32 @@ def test_scheduled_events_migration_finds_what_was_created_by_hand_beforehand():
         assert {"django_outbox_claim_now_idx", "django_outbox_scheduled_idx"} <= _index_names()
     finally:
         _migrate(leaf)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_mysql_heads_index_migration_goes_back_and_forth_and_finds_it_done():
+    """0013_heads_index_mysql: the index on MySQL/MariaDB only (PostgreSQL has 0012's partial
+    index of that name, SQLite none: nothing changes there); taken back off, and not created
+    twice when it was created by hand beforehand (docs/installation.md: a large table)."""
+    leaf = MigrationExecutor(connection).loader.graph.leaf_nodes(APP)
+    name = "django_outbox_heads_idx"
+    before, after = (APP, "0012_heads_index"), (APP, "0013_heads_index_mysql")
+    had = name in _index_names()
+    try:
+        _migrate([before])
+        assert (name in _index_names()) == (connection.vendor == "postgresql")
+        _migrate([after])
+        assert (name in _index_names()) == had
+        if connection.vendor != "mysql":
+            return
+        _migrate([before])
+        assert name not in _index_names()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"CREATE INDEX {name} ON django_outbox_outboxevent "
+                "(status, aggregate_id, aggregate_type, id) ALGORITHM=INPLACE LOCK=NONE"
+            )
+        _migrate([after])
+        assert name in _index_names()
+    finally:
+        _migrate(leaf)

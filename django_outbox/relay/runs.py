@@ -147,11 +147,13 @@ class Runs:
 
 #: While a drain continues ordered runs, its claims behind them also look for heads (other
 #: aggregates' next events, unordered events) at most every HEADS_EVERY seconds, and for
-#: at most HEADS_SHARE of the claims lane's time. That search reads the whole unsent
-#: ordered backlog, continuing a run only the run: with a hot aggregate's 50,000 queued,
-#: every claim took 54 ms beside runs of 100 events that took 80-100 ms, on the same two
-#: cores (bench.ordered_bench, docs/benchmarks.md). An event written meanwhile is claimed
-#: within about HEADS_EVERY, the busy relay's poll (a tenth of the default interval).
+#: at most HEADS_SHARE of the claims lane's time. That search read the whole unsent
+#: ordered backlog (before migrations 0012 and 0013; SQLite still does), continuing a run
+#: only the run: with a hot aggregate's 50,000 queued, every claim took 54 ms beside runs
+#: of 100 events that took 80-100 ms, on the same two cores (bench.ordered_bench,
+#: docs/benchmarks.md); it reads an index entry per aggregate now. An event written
+#: meanwhile is claimed within about HEADS_EVERY, the busy relay's poll (a tenth of the
+#: default interval).
 HEADS_EVERY = 0.1
 HEADS_SHARE = 0.25
 
