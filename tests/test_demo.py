@@ -16,11 +16,12 @@ import pytest
 from demo import backends
 from demo.backends import DemoRelayBackend
 from demo.broker import TASKS, InProcessBroker, InProcessBrokerBackend
+from demo.models import Receipt
 from demo.scenario import MESSAGE_FORMATS, Figures, Tally, reconcile
 from django_outbox import outbox
 from django_outbox.backends.base import BaseBackend, BrokerUnavailable, PublishResult
 from django_outbox.consumer import ConsumeResult, Outcome
-from django_outbox.models import OutboxEvent, Status
+from django_outbox.models import OutboxEvent, OutboxTaskResult, Status
 from django_outbox.relay import Relay
 from points.models import PointsLedger
 from tests.utils.rows import decided, unsaved_event
@@ -149,10 +150,11 @@ def test_embedded_demo_exits_1_when_messages_are_lost(tmp_path):
     ],
 )
 def test_demo_on_the_test_database_and_rabbitmq(amqp_url, message_format, nodes):
-    """The same story on this run's database (PostgreSQL or MariaDB) and real RabbitMQ,
-    the relays publishing native messages or CloudEvents for consume_outbox to read; also
-    with AMQP_URL naming two nodes, the first of which does not answer: the demo, its
-    relays and consume_outbox all connect to the second."""
+    """The same story on this run's database (SQLite, PostgreSQL or MariaDB) and real
+    RabbitMQ, the relays publishing native messages or CloudEvents for consume_outbox to
+    read, and the receipts run by an outbox_worker child from the run's own task queue;
+    also with AMQP_URL naming two nodes, the first of which does not answer: the demo, its
+    relays, consume_outbox and outbox_worker all connect to the second."""
     url = amqp_url
     if nodes != "one":
         with socket.socket() as s:
@@ -175,20 +177,34 @@ def test_demo_on_the_test_database_and_rabbitmq(amqp_url, message_format, nodes)
     assert "consume_outbox (a child process)" in prose
     assert figure(out, "orders created") == "40"
     assert figure(out, "points rows") == "40"
-    # Batches of 4; batch 5 is confirmed, then the relay is killed: 3 + 4 duplicates.
+    # Batches of 8 rows (4 orders' event and task); batch 5 is confirmed, then the relay
+    # is killed: 3 + 4 duplicates.
     assert figure(out, "duplicates suppressed") == "7"
     assert figure(out, "lost") == "0"
     assert figure(out, "PENDING / SENT / DEAD") == "0 / 40 / 0"
     assert PointsLedger.objects.count() == 40
-    assert OutboxEvent.objects.filter(status=Status.SENT).count() == 40
-    # The run's exchange and queues are gone.
+    # The receipts, from the run's own task queue, by outbox_worker --once: the killed
+    # batch's 4 tasks came twice and ran once.
+    assert "outbox_worker --once (a child process) read the send_receipt tasks" in prose
+    assert figure(out, "receipts sent") == "40"
+    assert "(expected 40; 44 task messages, 4 duplicates)" in out
+    assert Receipt.objects.count() == 40
+    assert OutboxTaskResult.objects.filter(status="SUCCESSFUL").count() == 40
+    assert OutboxEvent.objects.filter(status=Status.SENT).count() == 80  # events and tasks
     exchange = re.search(r"exchange (demo\.[0-9a-f]+)", prose).group(1)
+    assert f"queues {exchange}.points and {exchange}.tasks.default" in prose
+    assert_rabbitmq_run_deleted(amqp_url, exchange)
+
+
+def assert_rabbitmq_run_deleted(amqp_url: str, exchange: str) -> None:
+    """The run's exchange and queues (points, tasks, their dead letters) are gone."""
+    queues = [f"{exchange}.points", f"{exchange}.tasks.default"]
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
         for name, declare in [
             (exchange, lambda ch, n: ch.exchange_declare(n, passive=True)),
-            (f"{exchange}.points", lambda ch, n: ch.queue_declare(n, passive=True)),
-            (f"{exchange}.points.dlq", lambda ch, n: ch.queue_declare(n, passive=True)),
+            *[(q, lambda ch, n: ch.queue_declare(n, passive=True)) for q in queues],
+            *[(f"{q}.dlq", lambda ch, n: ch.queue_declare(n, passive=True)) for q in queues],
         ]:
             channel = connection.channel()
             with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
@@ -196,6 +212,25 @@ def test_demo_on_the_test_database_and_rabbitmq(amqp_url, message_format, nodes)
             assert info.value.reply_code == 404, name
     finally:
         connection.close()
+
+
+@pytest.mark.amqp
+@pytest.mark.slow
+@pytest.mark.transport
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_demo_on_rabbitmq_leaves_nothing_behind(amqp_url):
+    """A run whose reconciliation fails (--inject-loss) still deletes its exchange and
+    queues, the task queue among them; its receipts were all sent all the same."""
+    env = django_env(AMQP_URL=amqp_url, DJANGO_SETTINGS_MODULE="config.settings")
+    done = run_demo("--orders", "20", "--duplicates", "2", "--inject-loss", "1", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    prose = " ".join(out.split())
+    assert figure(out, "lost") == "1"
+    assert figure(out, "receipts sent") == "20"
+    assert "FAILED: 1 order(s) never got their points: lost" in prose
+    exchange = re.search(r"exchange (demo\.[0-9a-f]+)", prose).group(1)
+    assert_rabbitmq_run_deleted(amqp_url, exchange)
 
 
 @pytest.mark.slow
@@ -225,14 +260,27 @@ def test_demo_on_the_test_database_and_nats(nats_url, message_format):
     assert figure(out, "duplicates suppressed") == "3"
     assert figure(out, "lost") == "0"
     assert figure(out, "PENDING / SENT / DEAD") == "0 / 40 / 0"
-    # The run's streams are gone.
+    # outbox_worker read each task once: JetStream stored the killed batch's tasks once.
+    assert "outbox_worker --once (a child process)" in prose
+    assert "JetStream had dropped the killed batch's second copy" in prose
+    assert figure(out, "receipts sent") == "40"
+    assert "(expected 40; 40 task messages, 0 duplicates)" in out
+    # The run's streams are gone: its own (with the durable consumers) and the dead
+    # letters' of the points and the task queue.
     stream = re.search(r"stream (DEMO_[0-9a-f]+)", prose).group(1)
+    import nats.js.errors
+
     from tests.utils.nats import NatsBroker
 
     broker = NatsBroker(nats_url)
     try:
-        assert broker.count(stream) == 0
-        assert broker.count(f"demo_{stream[5:]}_points_dlq") == 0
+        for name in (
+            stream,
+            f"demo_{stream[5:]}_points_dlq",
+            f"demo_{stream[5:]}_tasks_default_dlq",
+        ):
+            with pytest.raises(nats.js.errors.NotFoundError):
+                broker.run(broker.js.stream_info(name))
     finally:
         broker.close()
 
@@ -261,13 +309,23 @@ def test_demo_on_the_test_database_and_redis(redis_url, message_format):
     assert figure(out, "points rows") == "40"
     assert figure(out, "lost") == "0"
     assert figure(out, "PENDING / SENT / DEAD") == "0 / 40 / 0"
+    # outbox_worker read the tasks' stream; the killed batch's 4 tasks were added twice.
+    assert "outbox_worker --once (a child process)" in prose
+    assert figure(out, "receipts sent") == "40"
+    assert "(expected 40; 44 task messages, 4 duplicates)" in out
     # The run's streams are gone.
-    stream = re.search(r"stream (demo-[0-9a-f]+\.ORDER_CREATED)", prose).group(1)
+    run = re.search(r"streams demo-([0-9a-f]+)\.ORDER_CREATED", prose).group(1)
     import redis
 
     client = redis.Redis.from_url(redis_url)
     try:
-        assert client.exists(stream) == 0
+        for key in (
+            f"demo-{run}.ORDER_CREATED",
+            f"demo-{run}.django.tasks.default",
+            f"demo.{run}.points.dlq",
+            f"demo.{run}.tasks.default.dlq",
+        ):
+            assert client.exists(key) == 0, key
     finally:
         client.close()
 
@@ -295,6 +353,8 @@ def good_figures(**changes) -> Figures:
 def test_reconcile_accepts_a_story_that_adds_up():
     assert reconcile(good_figures()) == []
     assert reconcile(good_figures(receipts=10)) == []
+    tasks = Tally(handled=12, processed=10, duplicates=2)
+    assert reconcile(good_figures(receipts=10, tasks=tasks, killed_tasks=2)) == []
 
 
 @pytest.mark.once
@@ -314,6 +374,18 @@ def test_reconcile_accepts_a_story_that_adds_up():
         ({"consumer": Tally(handled=12, processed=10, duplicates=2)}, "2 duplicates suppressed"),
         ({"receipts": 9}, "9 receipts sent for 10 orders"),
         ({"receipts": 11}, "11 receipts sent for 10 orders"),
+        (
+            {"receipts": 10, "tasks": Tally(handled=11, processed=10, duplicates=1)},
+            "1 task duplicates, 0 expected",
+        ),
+        (
+            {"receipts": 10, "tasks": Tally(handled=10, processed=10), "killed_tasks": 2},
+            "0 task duplicates, 2 expected",
+        ),
+        (
+            {"receipts": 10, "tasks": Tally(handled=11, processed=10, failed=1)},
+            "the task worker failed on 1 message(s)",
+        ),
     ],
 )
 def test_reconcile_names_what_does_not_add_up(changes, expected):

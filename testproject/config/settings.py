@@ -12,6 +12,9 @@ no services: SQLite in ``testproject/db.sqlite3`` and the in-memory broker.
 - ``OUTBOX_NATS_STREAM``: the JetStream stream (``manage.py demo`` sets its own).
 - ``OUTBOX_REDIS_VISIBILITY_TIMEOUT``: seconds before a Redis consumer claims what a dead
   one left pending (``manage.py demo`` sets its own).
+- ``TASKS_BROKER_QUEUE_PREFIX``: the ``BROKER_QUEUE_PREFIX`` of ``TASKS`` (default
+  ``django.tasks.``): ``outbox_worker`` reads task queue ``q`` from the broker queue
+  ``<prefix>q`` (``manage.py demo`` sets one of its run).
 - ``OUTBOX_ORDERED=1``: ordered delivery per aggregate for every event type.
 - ``OUTBOX_MESSAGE_FORMAT``: ``native`` (the default), ``cloudevents`` or
   ``cloudevents-structured``: how the relay publishes (the consumer reads all three);
@@ -37,6 +40,7 @@ env = environ.Env(
     AMQP_URL=(str, ""),
     OUTBOX_NATS_STREAM=(str, "OUTBOX"),
     OUTBOX_REDIS_VISIBILITY_TIMEOUT=(float, 60.0),
+    TASKS_BROKER_QUEUE_PREFIX=(str, "django.tasks."),
     OUTBOX_ORDERED=(bool, False),
     OUTBOX_MESSAGE_FORMAT=(str, "native"),
     OUTBOX_CLOUDEVENTS_SOURCE=(str, "/testproject"),
@@ -149,6 +153,7 @@ TASKS = {
     "default": {
         "BACKEND": "django_outbox.tasks_backend.OutboxTaskBackend",
         "QUEUES": ["default"],
+        "OPTIONS": {"BROKER_QUEUE_PREFIX": env("TASKS_BROKER_QUEUE_PREFIX")},
     }
 }
 

@@ -13,19 +13,20 @@ Everything that can go wrong in the article goes wrong once, on purpose, for rea
 5. A restarted ``publish_outbox`` sends the rest and, once the dead relay's lease ran out,
    the killed batch a second time; it is stopped with SIGTERM.
 6. The consumer reads again: the killed batch comes back as duplicates.
-7. On the embedded broker, each order also enqueued a ``send_receipt`` Django task in its
-   transaction (``OutboxTaskBackend``); the relay published those rows with the events, and
-   the task worker's handler and dispatcher (``outbox_worker``'s, run here: the worker has
-   no transport for the in-process broker) run them, once each, despite the killed batch.
+7. Each order also enqueued a ``send_receipt`` Django task in its transaction
+   (``OutboxTaskBackend``); the relay published those rows with the events, to a task queue
+   of their own, and the task worker runs them, once each, despite the killed batch: an
+   ``outbox_worker --once`` child process on a real broker; on the embedded one its handler
+   and dispatcher, run here (the worker has no transport for the in-process broker). Not
+   on Django 5.2 without the Tasks backport: the story then has no step 7, and says so.
 
 Then :func:`reconcile` compares orders, outbox rows, points rows and receipts. With ``BROKER_URL``
-the broker is RabbitMQ (an exchange and queue named for this run), Redis Streams (streams
-and a consumer group named for this run) or NATS JetStream (a
-stream and durable consumer named for this run; JetStream drops the killed batch's second
-copy, so step 6 finds no duplicate), deleted at the end, and the consumer is a
-``consume_outbox`` child process; without it,
-the broker is :class:`demo.broker.InProcessBroker` in this process and the consumer runs
-here too.
+the broker is RabbitMQ (an exchange and queues named for this run), Redis Streams (streams
+and consumer groups named for this run) or NATS JetStream (a stream and durable consumers
+named for this run; JetStream drops the killed batch's second copy, so steps 6 and 7 find no
+duplicate of it), deleted at the end, also when the run fails; the consumer is a
+``consume_outbox`` child process and the task queue is :class:`TaskQueue`. Without it, the
+broker is :class:`demo.broker.InProcessBroker` in this process and the consumer runs here too.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class Figures:
     killed_batch: int  # messages the killed relay had confirmed, sent again
     receipts: int | None = None  # receipts sent (None: the run enqueued no tasks)
     tasks: Tally = field(default_factory=Tally)  # the send_receipt messages the worker read
+    killed_tasks: int = 0  # tasks the killed relay had confirmed, sent again
 
     @property
     def expected_duplicates(self) -> int:
@@ -181,8 +183,19 @@ def reconcile(f: Figures) -> list[str]:
         problems.append(
             f"{f.consumer.duplicates} duplicates suppressed, {f.expected_duplicates} expected"
         )
-    if f.receipts is not None and f.receipts != f.orders:
-        problems.append(f"{f.receipts} receipts sent for {f.orders} orders")
+    if f.receipts is not None:
+        if f.receipts != f.orders:
+            problems.append(f"{f.receipts} receipts sent for {f.orders} orders")
+        if f.tasks.failed or f.tasks.other:
+            problems.append(
+                f"the task worker failed on {f.tasks.failed} message(s) and could not use "
+                f"{f.tasks.other}"
+            )
+        if f.tasks.duplicates != f.killed_tasks:
+            problems.append(
+                f"{f.tasks.duplicates} task duplicates, {f.killed_tasks} expected (the killed "
+                "batch's)"
+            )
     return problems
 
 
@@ -270,6 +283,8 @@ class Transport(Protocol):
     #: The broker stores the killed batch again when the next relay republishes it (False:
     #: it drops what it has by message id, as JetStream does in its duplicate window).
     stores_republished: bool
+    #: The run's task queue on a real broker (None: embedded, or no receipts).
+    tasks: TaskQueue | None
 
     def relay_env(self) -> dict[str, str]: ...
 
@@ -279,7 +294,13 @@ class Transport(Protocol):
 
     def consume(self) -> Tally: ...
 
-    def close(self) -> None: ...
+    def declare_tasks(self) -> None:
+        """Declare the task queue (with receipts), before the relay publishes anything."""
+
+    def run_tasks(self) -> Tally: ...
+
+    def close(self) -> None:
+        """Delete what the run declared on the broker (called also when the run fails)."""
 
 
 #: How the story names OUTBOX_MESSAGE_FORMAT (the environment variable of the same name).
@@ -298,36 +319,82 @@ def receive(dispatcher: Dispatcher, delivery: message.Delivery, tally: Tally) ->
     return decision
 
 
-def consume_outbox(
-    spawn: Callable[..., Child], queue: str, exchange: str, env: dict[str, str] | None = None
+def run_once(
+    spawn: Callable[..., Child], command: str, args: list[str], env: dict[str, str] | None = None
 ) -> Tally:
-    """``consume_outbox --once --json`` in a child process, on ``queue``: its totals."""
-    child = spawn(
-        "consume_outbox",
-        [
-            "consume_outbox",
-            "--once",
-            "--json",
-            "--queue",
-            queue,
-            "--exchange",
-            exchange,
-            "--handler",
-            AWARD,
-        ],
-        env,
-    )
+    """``<command> --once --json`` in a child process (consume_outbox, outbox_worker): its
+    totals."""
+    child = spawn(command, [command, *args, "--once", "--json"], env)
     try:
         if child.wait(STEP_TIMEOUT) != 0:
-            raise child.failure("consume_outbox failed")
+            raise child.failure(f"{command} failed")
         out, _ = child.output()
         lines = out.strip().splitlines()
         try:
             return Tally.from_totals(json.loads(lines[-1]))
         except (IndexError, ValueError, KeyError) as exc:
-            raise DemoError(f"consume_outbox printed no totals ({exc}): {out!r}") from exc
+            raise DemoError(f"{command} printed no totals ({exc}): {out!r}") from exc
     finally:
         child.close()
+
+
+def consume_outbox(
+    spawn: Callable[..., Child], queue: str, exchange: str, env: dict[str, str] | None = None
+) -> Tally:
+    """``consume_outbox --once --json`` in a child process, on ``queue``: its totals."""
+    args = ["--queue", queue, "--exchange", exchange, "--handler", AWARD]
+    return run_once(spawn, "consume_outbox", args, env)
+
+
+#: The TASKS alias of send_receipt's backend (testproject/config/settings.py).
+TASK_BACKEND = "default"
+
+
+@dataclass(frozen=True)
+class TaskQueue:
+    """The send_receipt tasks' queue on a real broker, this run's own: ``outbox_worker``
+    reads Django task queue ``name`` from the broker queue ``prefix + name`` (the backend's
+    ``BROKER_QUEUE_PREFIX``, ``TASKS_BROKER_QUEUE_PREFIX`` in the worker's environment), so
+    that no other run's worker takes this run's tasks, nor this one theirs."""
+
+    name: str
+    prefix: str
+
+    @property
+    def broker_queue(self) -> str:
+        return f"{self.prefix}{self.name}"
+
+    def consumer(self, consumer_class: type[Any], **options: Any) -> Any:
+        """``outbox_worker``'s own consumer of this queue (``tasks_worker.task_consumer``),
+        not connected yet: connected, it declares the queue as the worker child finds it
+        (the relay publishes with ``mandatory``: a task with no queue is unroutable)."""
+        from django_outbox.tasks_worker import task_consumer
+
+        return task_consumer(
+            TASK_BACKEND,
+            self.name,
+            consumer_class=consumer_class,
+            queue=self.broker_queue,
+            **options,
+        )
+
+    def declare(self, consumer: Any) -> None:
+        try:
+            consumer.connect()
+        except Exception as exc:
+            raise DemoError(
+                f"Cannot declare the task queue {self.broker_queue} ({type(exc).__name__}: {exc})."
+            ) from exc
+        finally:
+            consumer.close()
+
+    def run_worker(
+        self, spawn: Callable[..., Child], exchange: str, env: dict[str, str] | None = None
+    ) -> Tally:
+        """``outbox_worker --once --json`` in a child process, on this queue: its totals."""
+        args = ["--queue", self.name, "--exchange", exchange]
+        worker_env = {"TASKS_BROKER_QUEUE_PREFIX": self.prefix, **(env or {})}
+        return run_once(spawn, "outbox_worker", args, worker_env)
 
 
 class EmbeddedTransport:
@@ -336,6 +403,7 @@ class EmbeddedTransport:
     lease_seconds = 3.0
     confirm_timeout = 2.0
     stores_republished = True
+    tasks = None  # the broker routes tasks to its own TASKS queue
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -371,6 +439,9 @@ class EmbeddedTransport:
     def consume(self) -> Tally:
         return self._drain(EVENTS, self.dispatcher)
 
+    def declare_tasks(self) -> None:
+        """Nothing to declare: the broker routes tasks to :data:`~demo.broker.TASKS`."""
+
     def run_tasks(self) -> Tally:
         """What ``outbox_worker --once`` does, on the broker's task queue: its handler and
         dispatcher, here (the worker has no transport for the in-process broker)."""
@@ -403,7 +474,12 @@ class RabbitTransport:
     stores_republished = True
 
     def __init__(
-        self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
+        self,
+        url: str,
+        dispatcher: Dispatcher,
+        run_id: str,
+        spawn: Callable[..., Child],
+        tasks: TaskQueue | None = None,
     ) -> None:
         import pika.exceptions
 
@@ -412,11 +488,16 @@ class RabbitTransport:
         self.url = url
         self.dispatcher = dispatcher
         self.spawn = spawn
+        self.tasks = tasks
         self.exchange = f"demo.{run_id}"
         self.queue = f"demo.{run_id}.points"
+        queues = (
+            f"queues {self.queue} and {tasks.broker_queue}, each with its .dlq"
+            if tasks
+            else f"queue {self.queue} and its .dlq"
+        )
         self.description = (
-            f"RabbitMQ at {mask_url(url)} (exchange {self.exchange}, queue {self.queue} and "
-            "its .dlq, deleted at the end)"
+            f"RabbitMQ at {mask_url(url)} (exchange {self.exchange}, {queues}; deleted at the end)"
         )
         # Declared before anything is published, by the consumer's own code, so that the
         # relay's first messages are routed (the relay publishes with mandatory=True).
@@ -488,23 +569,35 @@ class RabbitTransport:
     def consume(self) -> Tally:
         return consume_outbox(self.spawn, self.queue, self.exchange)
 
+    def declare_tasks(self) -> None:
+        if self.tasks is not None:
+            from django_outbox.consumer import Consumer
+
+            self.tasks.declare(self.tasks.consumer(Consumer, url=self.url, exchange=self.exchange))
+
+    def run_tasks(self) -> Tally:
+        assert self.tasks is not None
+        return self.tasks.run_worker(self.spawn, self.exchange)
+
     def close(self) -> None:
         import pika.exceptions
 
         if not self._declared:
             return
+        queues = [self.queue]
+        if self.tasks is not None:
+            queues.append(self.tasks.broker_queue)
+        queues += [f"{queue}.dlq" for queue in queues]
         try:
             with self._channel() as channel:
-                for queue in (self.queue, f"{self.queue}.dlq"):
-                    channel.queue_delete(queue)
+                for queue in queues:
+                    channel.queue_delete(queue)  # one never declared: deleted all the same
                 channel.exchange_delete(self.exchange)
         except pika.exceptions.AMQPError:
             logger.warning(
-                "could not delete the demo's exchange %s and queues %s, %s.dlq; delete them "
-                "by hand",
+                "could not delete the demo's exchange %s and queues %s; delete them by hand",
                 self.exchange,
-                self.queue,
-                self.queue,
+                ", ".join(queues),
                 exc_info=True,
             )
 
@@ -522,7 +615,12 @@ class NatsTransport:
     ack_wait = 2.0
 
     def __init__(
-        self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
+        self,
+        url: str,
+        dispatcher: Dispatcher,
+        run_id: str,
+        spawn: Callable[..., Child],
+        tasks: TaskQueue | None = None,
     ) -> None:
         import nats
         from nats.js.api import StreamConfig
@@ -533,14 +631,28 @@ class NatsTransport:
         self.url = url
         self.dispatcher = dispatcher
         self.spawn = spawn
+        self.tasks = tasks
         self.stream = f"DEMO_{run_id}"
         self.exchange = f"demo-{run_id}"
-        # Outside the stream's subjects: its dead-letter subject must be.
+        # Outside the stream's subjects: its dead-letter subject must be (the task
+        # queue's too).
         self.queue = f"demo.{run_id}.points"
-        self.description = (
-            f"NATS JetStream at {mask_url(url)} (stream {self.stream}, durable consumer "
-            f"for {self.queue}, dead letters {self.queue}.dlq; deleted at the end)"
+        consumers = (
+            f"durable consumers for {self.queue} and {tasks.broker_queue}, dead letters "
+            "to their .dlq"
+            if tasks
+            else f"durable consumer for {self.queue}, dead letters {self.queue}.dlq"
         )
+        self.description = (
+            f"NATS JetStream at {mask_url(url)} (stream {self.stream}, {consumers}; deleted "
+            "at the end)"
+        )
+        self._task_consumer: Any = None
+        if tasks is not None:
+            # Not connected yet (declare_tasks() does): what close() deletes, named.
+            self._task_consumer = tasks.consumer(
+                Consumer, url=url, exchange=self.exchange, stream=self.stream
+            )
         self._loop = LoopThread("demo-nats")
         try:
             self._client = self._loop.run(nats.connect(broker_urls(url)), 15)
@@ -613,8 +725,20 @@ class NatsTransport:
         stream = {"OUTBOX_NATS_STREAM": self.stream}
         return consume_outbox(self.spawn, self.queue, self.exchange, stream)
 
+    def declare_tasks(self) -> None:
+        if self.tasks is not None:
+            self.tasks.declare(self._task_consumer)
+
+    def run_tasks(self) -> Tally:
+        assert self.tasks is not None
+        return self.tasks.run_worker(self.spawn, self.exchange, {"OUTBOX_NATS_STREAM": self.stream})
+
     def close(self) -> None:
-        for stream in (self.stream, f"{self._consumer.durable}_dlq"):
+        # The durable consumers go with the run's stream; their dead letters have their own.
+        streams = [self.stream, self._consumer.dead_letter_stream]
+        if self._task_consumer is not None:
+            streams.append(self._task_consumer.dead_letter_stream)
+        for stream in streams:
             try:
                 self._loop.run(self._js.delete_stream(stream), 15)
             except Exception:
@@ -640,13 +764,19 @@ class RedisTransport:
     visibility_timeout = 2.0
 
     def __init__(
-        self, url: str, dispatcher: Dispatcher, run_id: str, spawn: Callable[..., Child]
+        self,
+        url: str,
+        dispatcher: Dispatcher,
+        run_id: str,
+        spawn: Callable[..., Child],
+        tasks: TaskQueue | None = None,
     ) -> None:
         from django_outbox.consumer.redis import Consumer
 
         self.url = url
         self.dispatcher = dispatcher
         self.spawn = spawn
+        self.tasks = tasks
         self.exchange = f"demo-{run_id}"
         self.queue = f"demo.{run_id}.points"
         # The group is created by the consumer's own code before anything is published.
@@ -657,10 +787,21 @@ class RedisTransport:
             exchange=self.exchange,
             visibility_timeout=self.visibility_timeout,
         )
-        self.description = (
-            f"Redis Streams at {mask_url(url)} (stream {', '.join(self._consumer.streams)}, "
-            f"consumer group {self.queue}, dead letters {self.queue}.dlq; deleted at the end)"
-        )
+        self._task_consumer: Any = None
+        if tasks is None:
+            where = (
+                f"stream {', '.join(self._consumer.streams)}, consumer group {self.queue}, "
+                f"dead letters {self.queue}.dlq"
+            )
+        else:
+            # Not connected yet (declare_tasks() does): what close() deletes, named.
+            self._task_consumer = tasks.consumer(Consumer, url=url, exchange=self.exchange)
+            where = (
+                f"streams {', '.join(self._consumer.streams + self._task_consumer.streams)}, "
+                f"consumer groups {self.queue} and {tasks.broker_queue}, dead letters to "
+                "their .dlq"
+            )
+        self.description = f"Redis Streams at {mask_url(url)} ({where}; deleted at the end)"
         try:
             self._consumer.connect()
         except Exception as exc:
@@ -705,8 +846,18 @@ class RedisTransport:
         env = {"OUTBOX_REDIS_VISIBILITY_TIMEOUT": str(self.visibility_timeout)}
         return consume_outbox(self.spawn, self.queue, self.exchange, env)
 
+    def declare_tasks(self) -> None:
+        if self.tasks is not None:
+            self.tasks.declare(self._task_consumer)
+
+    def run_tasks(self) -> Tally:
+        assert self.tasks is not None
+        return self.tasks.run_worker(self.spawn, self.exchange)
+
     def close(self) -> None:
-        keys = [*self._consumer.streams, f"{self.queue}.dlq"]
+        keys = [*self._consumer.streams, self._consumer.dead_letter_queue]
+        if self._task_consumer is not None:
+            keys += [*self._task_consumer.streams, self._task_consumer.dead_letter_queue]
         try:
             self._client.delete(*keys)
         except Exception:
@@ -734,7 +885,8 @@ class Demo:
     workdir: Path = field(default_factory=Path)
     write: Callable[[str], None] = print
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    #: Each order enqueues a send_receipt task too (on the embedded broker; step 7).
+    #: Each order enqueues a send_receipt task too (step 7; not on Django 5.2 without the
+    #: Tasks backport). Set by :meth:`run`.
     receipts: bool = False
 
     @property
@@ -812,17 +964,23 @@ class Demo:
             ) from exc
         self.clear_earlier_runs()
         dispatcher = Dispatcher(handlers=[AWARD])
+        # Django 5.2 without the Tasks backport: the story without its receipts.
+        self.receipts = send_receipt is not None
+        tasks = (
+            TaskQueue(send_receipt.queue_name, f"demo.{self.run_id}.tasks.")
+            if self.receipts
+            else None
+        )
         transport: Transport
-        if self.amqp_url.lower().startswith(("nats://", "tls://")):
-            transport = NatsTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
-        elif self.amqp_url.lower().startswith(("redis://", "rediss://")):
-            transport = RedisTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
-        elif self.amqp_url:
-            transport = RabbitTransport(self.amqp_url, dispatcher, self.run_id, self.spawn)
+        url = self.amqp_url
+        if url.lower().startswith(("nats://", "tls://")):
+            transport = NatsTransport(url, dispatcher, self.run_id, self.spawn, tasks)
+        elif url.lower().startswith(("redis://", "rediss://")):
+            transport = RedisTransport(url, dispatcher, self.run_id, self.spawn, tasks)
+        elif url:
+            transport = RabbitTransport(url, dispatcher, self.run_id, self.spawn, tasks)
         else:
             transport = EmbeddedTransport(dispatcher)
-            # Django 5.2 without the Tasks backport: the story without its receipts.
-            self.receipts = send_receipt is not None
         self.say(
             f"The transactional outbox, end to end: {self.orders} orders, "
             f"{describe_database()}, {transport.description}, "
@@ -831,6 +989,7 @@ class Demo:
             indent="",
         )
         try:
+            transport.declare_tasks()
             figures = self.story(transport)
         finally:
             transport.close()
@@ -845,18 +1004,17 @@ class Demo:
         first = self.consume(transport, step="4")
         self.restart_relay(transport, killed)
         second = self.consume(transport, step="6")
-        tasks = (
-            self.run_tasks(transport)
-            if self.receipts and isinstance(transport, EmbeddedTransport)
-            else None
-        )
-        # The duplicates the points consumer sees: the killed batch's events, not its tasks.
+        tasks = self.run_tasks(transport) if self.receipts else None
+        # The duplicates the points consumer sees: the killed batch's events; the task
+        # worker, the rest of it: its tasks.
         killed_events = self.run_events().filter(event_id__in=killed).count()
+        again = transport.stores_republished
         return self.figures(
             crashed + first + second,
             lost_acks=crashed.processed,
-            killed_batch=killed_events if transport.stores_republished else 0,
+            killed_batch=killed_events if again else 0,
             tasks=tasks,
+            killed_tasks=len(killed) - killed_events if again else 0,
         )
 
     def order(self, *, number: str, user_id: int, amount: Decimal) -> None:
@@ -1004,20 +1162,41 @@ class Demo:
         )
         self.say(self.outbox_line())
 
-    def run_tasks(self, transport: EmbeddedTransport) -> Tally:
+    def run_tasks(self, transport: Transport) -> Tally:
         tally = transport.run_tasks()
+        who = (
+            "The send_receipt tasks came in"
+            if transport.tasks is None
+            else "outbox_worker --once (a child process) read the send_receipt tasks from "
+            f"their own queue, {transport.tasks.broker_queue}, in"
+        )
+        failed = f", {tally.failed} failed" if tally.failed else ""
+        if tally.duplicates:
+            again = (
+                f"{n(tally.duplicates, 'duplicate')} (the killed batch's) found their task "
+                "done and were acknowledged without running it again."
+            )
+        elif not transport.stores_republished:
+            again = "none came twice: JetStream had dropped the killed batch's second copy."
+        else:
+            again = "none came twice."
         self.say(
-            f"Task worker. The send_receipt tasks came in {n(tally.handled, 'message')}: "
-            f"{tally.processed} ran, each writing its receipt in the transaction that "
-            f"records its result; {n(tally.duplicates, 'duplicate')} (the killed batch's) "
-            "found their task done and were acknowledged without running it again.",
+            f"Task worker. {who} {n(tally.handled, 'message')}: {tally.processed} ran"
+            f"{failed}, each writing its receipt in the transaction that records its "
+            f"result; {again}",
             step="7",
         )
         return tally
 
     # -- the end ---------------------------------------------------------------------------
     def figures(
-        self, consumer: Tally, *, lost_acks: int, killed_batch: int, tasks: Tally | None = None
+        self,
+        consumer: Tally,
+        *,
+        lost_acks: int,
+        killed_batch: int,
+        tasks: Tally | None = None,
+        killed_tasks: int = 0,
     ) -> Figures:
         counts = self.status_counts()
         orders = Order.objects.filter(number__startswith=self.prefix)
@@ -1041,6 +1220,7 @@ class Demo:
                 else Receipt.objects.filter(order_number__startswith=self.prefix).count()
             ),
             tasks=tasks or Tally(),
+            killed_tasks=killed_tasks,
         )
 
     def report(self, f: Figures, problems: list[str], elapsed: float) -> None:

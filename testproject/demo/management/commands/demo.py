@@ -23,9 +23,9 @@ class Command(BaseCommand):
     help = (
         "Create orders through the outbox, run the relay and the points consumer, kill the "
         "relay once and deliver some events twice on purpose, run the send_receipt task "
-        "each order enqueued (embedded), then reconcile orders, outbox rows, points and "
-        "receipts. Embedded (SQLite file, in-process broker) by default; "
-        "PostgreSQL/MySQL and RabbitMQ or NATS when DATABASE_URL / BROKER_URL are set."
+        "each order enqueued, then reconcile orders, outbox rows, points and receipts. "
+        "Embedded (SQLite file, in-process broker) by default; PostgreSQL/MySQL and "
+        "RabbitMQ, Redis or NATS when DATABASE_URL / BROKER_URL are set."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
