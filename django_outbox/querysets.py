@@ -292,11 +292,15 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
                 # batch has room left, every head (rows just leased are no longer due).
                 # Each look locks candidates listed beforehand (ordering.claimable).
                 ids = ordering.claimable(self, ordered, dead_head, limit, window=True)
-                rows = self._lock_and_lease(self._ids_or_none(ids), limit, lease_seconds, token)
+                rows = self._lock_and_lease(
+                    self._ids_or_none(ids), limit, lease_seconds, token, listed=True
+                )
                 room = limit - len(rows)
                 if room > 0:
                     ids = ordering.claimable(self, ordered, dead_head, room, window=False)
-                    rows += self._lock_and_lease(self._ids_or_none(ids), room, lease_seconds, token)
+                    rows += self._lock_and_lease(
+                        self._ids_or_none(ids), room, lease_seconds, token, listed=True
+                    )
                     rows.sort(key=lambda row: row.pk)
             else:
                 rows = self._lock_and_lease(
@@ -311,15 +315,22 @@ class OutboxEventQuerySet(BatchedQuerySet["OutboxEvent"]):
         return self.with_ids(ids) if ids else self.none()
 
     def _lock_and_lease(
-        self, candidates: OutboxEventQuerySet, limit: int, lease_seconds: float, token: str
+        self,
+        candidates: OutboxEventQuerySet,
+        limit: int,
+        lease_seconds: float,
+        token: str,
+        *,
+        listed: bool = False,
     ) -> list[OutboxEvent]:
-        """Lock, read and lease up to ``limit`` of ``candidates``, oldest first (not PG)."""
+        """Lock, read and lease up to ``limit`` of ``candidates``, oldest first (not PG).
+        ``listed``: ``candidates`` are a list of ids (:func:`ordering.claimable`)."""
         if not limit or candidates.query.is_empty():
             return []
         locked = candidates.select_for_update(skip_locked=True).order_by("id")[:limit]
         query = locked.values_list(*CLAIM_FIELDS).query
         sql, params = query.get_compiler(using=self.db).as_sql()
-        if getattr(connections[self.db], "mysql_is_mariadb", False):
+        if listed and getattr(connections[self.db], "mysql_is_mariadb", False):
             # MariaDB turns an IN list of 1,000 ids or more into a subquery on a table of
             # values, and then walks the primary key past a hot aggregate's whole queue
             # probing it; as a list it reads each id on the primary key.
